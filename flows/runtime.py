@@ -1,0 +1,165 @@
+"""What every flow shares: where outputs live, the pipeline config, the task runner, tracking.
+
+A :class:`Context` is made once per command (``scalelab run ...``) and passed to each
+stage flow; it is plain data, so it crosses into Ray workers unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from tasks.common.config import require, to_dict
+from tasks.common.params import default_preset, load_stage_config
+from tasks.common.tracking import RunRef, tracking_uri
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """The ``pipeline:`` section of params/pipeline.yaml."""
+
+    preset: Literal["ci", "demo", "full"] = "demo"
+    experiment: str = "scalelab"
+    runner: Literal["local", "ray"] = "local"
+    local_workers: int = 1
+    ray_address: str | None = None
+    ray_num_cpus: int = 2
+    gpus_per_train_task: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(self.local_workers >= 1, "local_workers", "must be >= 1")
+        require(self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
+        require(self.gpus_per_train_task >= 0, "gpus_per_train_task", "must be >= 0")
+        require(bool(self.experiment), "experiment", "must not be empty")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every path the pipeline reads or writes, under one working folder."""
+
+    workdir: Path
+
+    @property
+    def data(self) -> Path:
+        return self.workdir / "data"
+
+    @property
+    def prepared(self) -> Path:
+        return self.data / "prepared"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.data / "tokenizer.json"
+
+    @property
+    def curated(self) -> Path:
+        return self.data / "curated"
+
+    @property
+    def tokens(self) -> Path:
+        return self.data / "tokens"
+
+    @property
+    def trained(self) -> Path:
+        return self.workdir / "models" / "trained"
+
+    @property
+    def compressed(self) -> Path:
+        return self.workdir / "models" / "compressed"
+
+    @property
+    def reports(self) -> Path:
+        return self.workdir / "reports"
+
+    @property
+    def plots(self) -> Path:
+        return self.reports / "plots"
+
+
+@dataclass(frozen=True)
+class Context:
+    """One command's settings: project root (params), output folder, preset, runner, tracking."""
+
+    root: Path
+    workdir: Path
+    preset: str
+    pipeline: PipelineConfig
+    tracking_uri: str
+    parent: RunRef | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.workdir)
+
+    @property
+    def experiment(self) -> str:
+        return self.pipeline.experiment
+
+    def with_parent(self, parent: RunRef | None) -> "Context":
+        return dataclasses.replace(self, parent=parent)
+
+    def config(self, cls: type, stage: str) -> Any:
+        """Load ``params/<stage>.yaml`` under this context's preset into ``cls``."""
+        return load_stage_config(cls, self.root, stage, self.preset)
+
+
+def make_context(
+    root: str | Path = ".",
+    *,
+    preset: str | None = None,
+    workdir: str | Path | None = None,
+    runner: str | None = None,
+    ray_address: str | None = None,
+) -> Context:
+    """Resolve a :class:`Context`; command-line choices override params/pipeline.yaml."""
+    root = Path(root).resolve()
+    preset = preset or default_preset(root)
+    pipeline = load_stage_config(PipelineConfig, root, "pipeline", preset)
+    changes: dict[str, Any] = {"preset": preset}
+    if runner:
+        changes["runner"] = runner
+    if ray_address:
+        changes["ray_address"] = ray_address
+    pipeline = dataclasses.replace(pipeline, **changes)
+    workdir = Path(workdir).resolve() if workdir else root
+    parent_id = os.environ.get("SCALELAB_PARENT_RUN_ID")
+    uri = tracking_uri(workdir)
+    parent = RunRef(uri=uri, experiment=pipeline.experiment, run_id=parent_id) if parent_id else None
+    return Context(root=root, workdir=workdir, preset=preset, pipeline=pipeline, tracking_uri=uri, parent=parent)
+
+
+def task_runner(pipeline: PipelineConfig):
+    """The Prefect task runner the config asks for: a local thread pool, or Ray through prefect-ray."""
+    if pipeline.runner == "ray":
+        try:
+            from prefect_ray import RayTaskRunner
+        except ImportError as exc:  # pragma: no cover - prefect-ray is a core dependency
+            raise RuntimeError("runner: ray needs prefect-ray: pip install prefect-ray ray") from exc
+        if pipeline.ray_address:
+            return RayTaskRunner(address=pipeline.ray_address)
+        return RayTaskRunner(init_kwargs={"num_cpus": pipeline.ray_num_cpus, "include_dashboard": False})
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    return ThreadPoolTaskRunner(max_workers=pipeline.local_workers)
+
+
+def gpu_options(pipeline: PipelineConfig):
+    """A context in which submitted tasks ask Ray for ``gpus_per_train_task`` GPUs (no-op locally)."""
+    import contextlib
+
+    if pipeline.runner == "ray" and pipeline.gpus_per_train_task > 0:
+        from prefect_ray.context import remote_options
+
+        return remote_options(num_gpus=pipeline.gpus_per_train_task)
+    return contextlib.nullcontext()
+
+
+def config_hash(*parts: Any) -> str:
+    """A short stable hash of configs/specs, used to key resumable outputs by what made them."""
+    blob = json.dumps([to_dict(p) if dataclasses.is_dataclass(p) else p for p in parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:10]

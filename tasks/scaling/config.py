@@ -1,0 +1,118 @@
+"""Config of the scaling-law fit: the ``fit:`` section of ``params/fit.yaml``.
+
+Load it with ``load_stage_config(FitConfig, root, "fit", preset)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tasks.common.config import require
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitConfig:
+    """Approach-3 (Hoffmann et al. 2022; Epoch AI's replication) and IsoFLOP fit settings.
+
+    The initialisation grid defaults to Hoffmann's / Epoch's: alpha, beta in {0, 0.5, ..., 2},
+    e in {-1, -0.5, ..., 1}, a, b in {0, 5, ..., 25} (4,500 starts).
+    """
+
+    # Huber on log-loss residuals; 1e-3 as Hoffmann et al. and Epoch.
+    huber_delta: float = 1e-3
+    # Bootstrap over runs (resampling with replacement) for every interval; the optimiser's
+    # inverse Hessian is not trusted for intervals (Epoch's note).
+    n_bootstrap: int = 1000
+    bootstrap_seed: int = 0
+    # Worker processes for the bootstrap; 1 runs in this process.
+    n_jobs: int = 2
+    confidence: float = 0.95
+
+    grid_alpha: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0)
+    grid_beta: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0)
+    grid_e: tuple[float, ...] = (-1.0, -0.5, 0.0, 0.5, 1.0)
+    grid_a: tuple[float, ...] = (0.0, 5.0, 10.0, 15.0, 20.0, 25.0)
+    grid_b: tuple[float, ...] = (0.0, 5.0, 10.0, 15.0, 20.0, 25.0)
+    # The objective is evaluated at every grid point (vectorised); L-BFGS-B then runs from the
+    # `n_starts` best of them. 0 runs L-BFGS-B from every grid point, as Epoch did (slow: minutes).
+    n_starts: int = 64
+    # Extra starts per bootstrap replicate besides the point estimate: the best distinct local
+    # optima found by the point fit (other basins), so a replicate can switch basin.
+    bootstrap_extra_starts: int = 3
+
+    # Box bounds of L-BFGS-B on (a, b, e, alpha, beta); a fit that ends on one is warned about.
+    bound_a: tuple[float, float] = (-30.0, 60.0)
+    bound_b: tuple[float, float] = (-30.0, 60.0)
+    bound_e: tuple[float, float] = (-5.0, 5.0)
+    bound_alpha: tuple[float, float] = (0.0, 5.0)
+    bound_beta: tuple[float, float] = (0.0, 5.0)
+
+    # The objective is ~1e-3 in size, so scipy's default ftol (relative to max(|f|, 1)) stops
+    # early; Epoch refits with tighter tolerances for the same reason.
+    lbfgs_ftol: float = 1e-15
+    lbfgs_gtol: float = 1e-11
+    lbfgs_maxiter: int = 2000
+
+    # Drop the k highest-loss runs before fitting (Epoch drops 5 on the Chinchilla points, which
+    # are early/under-trained outliers); 0 for our own ladder. Excluded rows are reported.
+    exclude_top_loss: int = 0
+    # Fewer points than this: fit anyway but warn (OLMo's ladder asks for at least 5).
+    min_points: int = 5
+    # N spanning less than this many decades: alpha and beta are nearly unidentifiable; warn.
+    min_n_decades: float = 1.0
+
+    # IsoFLOP (Approach 2): runs whose log10(6ND) lie within this many decades of a level's
+    # first run share the level; a level needs >= 3 distinct N for a parabola.
+    isoflop_log10_tolerance: float = 0.1
+    isoflop_min_points: int = 3
+
+    # Compute budgets (FLOPs) at which the compute-optimal allocation is projected and variants
+    # are compared.
+    compute_budgets: tuple[float, ...] = (1e18, 1e19, 1e20, 1e21, 1e22, 1e23, 1e24)
+    # A reversal between two variants is flagged only when the `reversal_confidence` bootstrap
+    # interval of their loss difference excludes 0 at both ends of `compute_budgets`, with
+    # opposite signs.
+    reversal_confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        require(self.huber_delta > 0, "huber_delta", f"must be > 0, got {self.huber_delta}")
+        require(self.n_bootstrap >= 0, "n_bootstrap", f"must be >= 0, got {self.n_bootstrap}")
+        require(self.n_jobs >= 1, "n_jobs", f"must be >= 1, got {self.n_jobs}")
+        require(0 < self.confidence < 1, "confidence", f"must be in (0, 1), got {self.confidence}")
+        require(0 < self.reversal_confidence < 1, "reversal_confidence",
+                f"must be in (0, 1), got {self.reversal_confidence}")
+        for name in ("grid_alpha", "grid_beta", "grid_e", "grid_a", "grid_b"):
+            values = getattr(self, name)
+            require(len(values) >= 1, name, "must list at least one value")
+            require(all(math.isfinite(v) for v in values), name, f"must be finite, got {values}")
+        require(self.n_starts >= 0, "n_starts", f"must be >= 0 (0 = every grid point), got {self.n_starts}")
+        require(self.bootstrap_extra_starts >= 0, "bootstrap_extra_starts",
+                f"must be >= 0, got {self.bootstrap_extra_starts}")
+        for name, grid in (("bound_a", "grid_a"), ("bound_b", "grid_b"), ("bound_e", "grid_e"),
+                           ("bound_alpha", "grid_alpha"), ("bound_beta", "grid_beta")):
+            lo, hi = getattr(self, name)
+            require(lo < hi, name, f"lower bound must be below upper, got ({lo}, {hi})")
+            values = getattr(self, grid)
+            require(all(lo <= v <= hi for v in values), name,
+                    f"must contain every value of {grid} {values}, got ({lo}, {hi})")
+        require(self.lbfgs_ftol > 0, "lbfgs_ftol", f"must be > 0, got {self.lbfgs_ftol}")
+        require(self.lbfgs_gtol > 0, "lbfgs_gtol", f"must be > 0, got {self.lbfgs_gtol}")
+        require(self.lbfgs_maxiter >= 1, "lbfgs_maxiter", f"must be >= 1, got {self.lbfgs_maxiter}")
+        require(self.exclude_top_loss >= 0, "exclude_top_loss", f"must be >= 0, got {self.exclude_top_loss}")
+        require(self.min_points >= 1, "min_points", f"must be >= 1, got {self.min_points}")
+        require(self.min_n_decades >= 0, "min_n_decades", f"must be >= 0, got {self.min_n_decades}")
+        require(self.isoflop_log10_tolerance > 0, "isoflop_log10_tolerance",
+                f"must be > 0, got {self.isoflop_log10_tolerance}")
+        require(self.isoflop_min_points >= 3, "isoflop_min_points",
+                f"a parabola needs >= 3 points, got {self.isoflop_min_points}")
+        require(len(self.compute_budgets) >= 1, "compute_budgets", "must list at least one budget")
+        require(all(c > 0 and math.isfinite(c) for c in self.compute_budgets), "compute_budgets",
+                f"must be positive finite FLOPs, got {self.compute_budgets}")
+        require(list(self.compute_budgets) == sorted(set(self.compute_budgets)), "compute_budgets",
+                f"must be strictly increasing, got {self.compute_budgets}")
+
+    @property
+    def grid_size(self) -> int:
+        return (len(self.grid_a) * len(self.grid_b) * len(self.grid_e)
+                * len(self.grid_alpha) * len(self.grid_beta))
