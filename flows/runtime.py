@@ -54,7 +54,7 @@ class Layout:
 
     @property
     def tokenizer(self) -> Path:
-        return self.data / "tokenizer.json"
+        return self.data / "tokenizer" / "tokenizer.json"
 
     @property
     def curated(self) -> Path:
@@ -123,6 +123,7 @@ def make_context(
     changes: dict[str, Any] = {"preset": preset}
     if runner:
         changes["runner"] = runner
+    ray_address = ray_address or os.environ.get("SCALELAB_RAY_ADDRESS")
     if ray_address:
         changes["ray_address"] = ray_address
     pipeline = dataclasses.replace(pipeline, **changes)

@@ -37,9 +37,10 @@ class FitConfig:
     # The objective is evaluated at every grid point (vectorised); L-BFGS-B then runs from the
     # `n_starts` best of them. 0 runs L-BFGS-B from every grid point, as Epoch did (slow: minutes).
     n_starts: int = 64
-    # Extra starts per bootstrap replicate besides the point estimate: the best distinct local
-    # optima found by the point fit (other basins), so a replicate can switch basin.
-    bootstrap_extra_starts: int = 3
+    # Each bootstrap replicate starts from the point estimate and from the 4 corners of a small
+    # grid around it: alpha and beta scaled by (1 -/+ spread), with a and b shifted so each term
+    # keeps its value at the mean log N / log D. 0 uses the point estimate only.
+    bootstrap_start_spread: float = 0.25
 
     # Box bounds of L-BFGS-B on (a, b, e, alpha, beta); a fit that ends on one is warned about.
     bound_a: tuple[float, float] = (-30.0, 60.0)
@@ -87,8 +88,8 @@ class FitConfig:
             require(len(values) >= 1, name, "must list at least one value")
             require(all(math.isfinite(v) for v in values), name, f"must be finite, got {values}")
         require(self.n_starts >= 0, "n_starts", f"must be >= 0 (0 = every grid point), got {self.n_starts}")
-        require(self.bootstrap_extra_starts >= 0, "bootstrap_extra_starts",
-                f"must be >= 0, got {self.bootstrap_extra_starts}")
+        require(0 <= self.bootstrap_start_spread < 1, "bootstrap_start_spread",
+                f"must be in [0, 1), got {self.bootstrap_start_spread}")
         for name, grid in (("bound_a", "grid_a"), ("bound_b", "grid_b"), ("bound_e", "grid_e"),
                            ("bound_alpha", "grid_alpha"), ("bound_beta", "grid_beta")):
             lo, hi = getattr(self, name)

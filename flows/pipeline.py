@@ -1,0 +1,57 @@
+"""The whole study: prepare -> curate -> train -> compress -> sparse_eval -> fit.
+
+Run: ``scalelab run all --preset ci`` (or ``dvc repro``, which runs the same stages one by one).
+One MLflow parent run per pipeline run; each stage is a child, each model a grandchild.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.compress import compress_flow
+from flows.curate import curate_flow
+from flows.fit import fit_flow
+from flows.prepare import prepare_flow
+from flows.sparse_eval import sparse_eval_flow
+from flows.stage import stage_context
+from flows.train import train_flow
+from tasks.common.tracking import tracked_run
+
+STAGE_FLOWS = {
+    "prepare": prepare_flow,
+    "curate": curate_flow,
+    "train": train_flow,
+    "compress": compress_flow,
+    "sparse_eval": sparse_eval_flow,
+    "fit": fit_flow,
+}
+
+
+@flow(name="pipeline", log_prints=True)
+def pipeline_flow(
+    root: str = ".",
+    preset: str | None = None,
+    workdir: str | None = None,
+    runner: str | None = None,
+    stages: list[str] | None = None,
+) -> dict:
+    ctx = stage_context(root, preset, workdir, runner)
+    chosen = stages or list(STAGE_FLOWS)
+    unknown = [s for s in chosen if s not in STAGE_FLOWS]
+    if unknown:
+        raise ValueError(f"unknown stage {unknown[0]!r}; stages: {', '.join(STAGE_FLOWS)}")
+    results = {}
+    with tracked_run(
+        f"pipeline-{ctx.preset}",
+        uri=ctx.tracking_uri,
+        experiment=ctx.experiment,
+        parent=ctx.parent,
+        params={"preset": ctx.preset, "runner": ctx.pipeline.runner, "stages": ",".join(chosen)},
+        tags={"scalelab.stage": "pipeline", "scalelab.preset": ctx.preset},
+    ) as run:
+        for name in chosen:
+            results[name] = STAGE_FLOWS[name](
+                root=str(ctx.root), preset=ctx.preset, workdir=str(ctx.workdir),
+                runner=ctx.pipeline.runner, parent_run_id=run.run_id,
+            )
+    return {"parent_run_id": run.run_id, "stages": chosen}

@@ -1,0 +1,309 @@
+"""Compression methods by name: each is one module, one params block and one test.
+
+A method module registers a typed config and a function::
+
+    @dataclass(frozen=True, kw_only=True)
+    class RTNConfig(MethodSpec):
+        method: Literal["rtn"] = "rtn"
+        bits: int = 4
+
+    @register_method("rtn", RTNConfig)
+    def compress_rtn(model, cfg, *, calib_tokens=None) -> CompressedModel: ...
+
+and ``params/compression.yaml`` names settings of it::
+
+    compression:
+      settings:
+        rtn_w4_g32: {method: rtn, bits: 4, group_size: 32}
+      enabled: []            # settings to run; empty = all
+
+Every module in :mod:`tasks.compression` is imported the first time a method is looked up, so a new
+method needs no edit here. Settings are built with :func:`tasks.common.config.from_mapping`, so a
+misspelt key fails naming the file, the line and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import pkgutil
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from tasks.common.config import ConfigError, from_mapping, require, to_dict, where
+from tasks.common.io import atomic_path
+
+_SETTING_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodSpec:
+    """One params entry: ``method`` names the registered method; subclasses add the method's own fields.
+
+    Subclasses narrow ``method`` to their name (``method: Literal["rtn"] = "rtn"``) so a config built
+    in code needs no ``method=`` and one built from YAML is checked against its entry.
+    """
+
+    method: str
+
+    def __post_init__(self) -> None:
+        require(bool(self.method), "method", "must name a registered method")
+
+
+@dataclass(frozen=True)
+class RegisteredMethod(Generic[F]):
+    """A registry row: the method's name, its config class and its function."""
+
+    name: str
+    config_cls: type[MethodSpec]
+    fn: F
+
+
+class MethodRegistry(Generic[F]):
+    """Name -> (config class, function), filled by importing every module of ``package``.
+
+    Shared by compression (:data:`METHODS`) and sparse inference (``tasks.sparse.registry``).
+    """
+
+    def __init__(self, kind: str, package: str) -> None:
+        self.kind = kind
+        self.package = package
+        self._methods: dict[str, RegisteredMethod[F]] = {}
+        self._discovered = False
+
+    def register(self, name: str, config_cls: type[MethodSpec]) -> Callable[[F], F]:
+        """Decorator: register ``fn`` under ``name`` with its config dataclass ``config_cls``."""
+        if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls) and issubclass(config_cls, MethodSpec)):
+            raise TypeError(f"{self.kind} {name!r}: config_cls must be a MethodSpec dataclass, got {config_cls!r}")
+        if not _SETTING_NAME.match(name):
+            raise ValueError(f"{self.kind} name {name!r}: use letters, digits, '_', '.', '-'")
+
+        def decorator(fn: F) -> F:
+            old = self._methods.get(name)
+            same = old is not None and (old.fn.__module__, old.fn.__qualname__) == (fn.__module__, fn.__qualname__)
+            if old is not None and not same:
+                raise ValueError(
+                    f"{self.kind} {name!r} is already registered by {old.fn.__module__}.{old.fn.__qualname__}"
+                )
+            self._methods[name] = RegisteredMethod(name, config_cls, fn)
+            return fn
+
+        return decorator
+
+    def _discover(self) -> None:
+        if self._discovered:
+            return
+        pkg = importlib.import_module(self.package)
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if not info.name.startswith("_") and info.name != "registry":
+                importlib.import_module(f"{self.package}.{info.name}")
+        self._discovered = True
+
+    def names(self) -> list[str]:
+        self._discover()
+        return sorted(self._methods)
+
+    def get(self, name: str) -> RegisteredMethod[F]:
+        self._discover()
+        try:
+            return self._methods[name]
+        except KeyError:
+            raise KeyError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or 'none'}") from None
+
+    def parse_settings(
+        self,
+        mapping: Mapping[str, Any],
+        source: str | None = None,
+        lines: Mapping[str, int] | None = None,
+        *,
+        prefix: str,
+    ) -> dict[str, tuple[str, MethodSpec]]:
+        """Build each named setting's config: ``{name: (method_name, cfg)}``.
+
+        Raises :class:`ConfigError` naming ``source``, the line and the dotted key for an unknown
+        method, a missing ``method`` key, an unknown field or a bad value.
+        """
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"{where(source, prefix, lines)}: expected a mapping of setting name to method entry")
+        out: dict[str, tuple[str, MethodSpec]] = {}
+        for name, entry in mapping.items():
+            key = f"{prefix}.{name}"
+            if not isinstance(name, str) or not _SETTING_NAME.match(name):
+                raise ConfigError(f"{where(source, key, lines)}: setting names use letters, digits, '_', '.', '-'")
+            if not isinstance(entry, Mapping):
+                raise ConfigError(f"{where(source, key, lines)}: expected a mapping with a 'method' key, got {entry!r}")
+            if "method" not in entry:
+                raise ConfigError(f"{where(source, key, lines)}: missing required key 'method' "
+                                  f"(one of {', '.join(self.names())})")
+            method = entry["method"]
+            try:
+                spec = self.get(method)
+            except (KeyError, TypeError):
+                raise ConfigError(f"{where(source, key + '.method', lines)}: unknown {self.kind} {method!r}; "
+                                  f"registered: {', '.join(self.names())}") from None
+            cfg = from_mapping(spec.config_cls, entry, source=source, prefix=key, lines=lines)
+            if cfg.method != method:
+                raise ConfigError(f"{where(source, key + '.method', lines)}: {spec.config_cls.__name__} "
+                                  f"is for method {cfg.method!r}, not {method!r}")
+            out[name] = (method, cfg)
+        return out
+
+    def validate_section(self, settings: Mapping[str, Any], enabled: tuple[str, ...]) -> None:
+        """``__post_init__`` check of a stage section: settings parse, ``enabled`` names exist.
+
+        Raises ``ValueError`` (which :func:`from_mapping` reports with the params file).
+        """
+        try:
+            self.parse_settings(settings, prefix="settings")
+        except ConfigError as exc:
+            raise ValueError(str(exc).removeprefix("<config>: ")) from None
+        unknown = [n for n in enabled if n not in settings]
+        require(not unknown, "enabled", f"names settings that are not defined: {unknown}; defined: {sorted(settings)}")
+        require(len(set(enabled)) == len(enabled), "enabled", f"has duplicates: {list(enabled)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Compression
+
+
+@dataclass
+class CompressedModel:
+    """What a compression method returns.
+
+    ``model``: ready for evaluation, with dequantized (or pruned) weights in place, in the original
+    dtype. ``tensors``: what goes on disk (packed integer codes, fp16 scales/zeros, untouched
+    parameters), written by :func:`save_compressed`. ``meta``: JSON-friendly description (method,
+    resolved config, per-tensor layout) saved with the tensors.
+    """
+
+    model: nn.Module
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+CompressFn = Callable[..., CompressedModel]
+"""``compress(model: nn.Module, cfg, *, calib_tokens: np.ndarray | None) -> CompressedModel``."""
+
+METHODS: MethodRegistry[CompressFn] = MethodRegistry("compression method", "tasks.compression")
+
+
+def register_method(name: str, config_cls: type[MethodSpec]) -> Callable[[CompressFn], CompressFn]:
+    """Decorator registering ``compress(model, cfg, *, calib_tokens) -> CompressedModel`` as ``name``."""
+    return METHODS.register(name, config_cls)
+
+
+def get_method(name: str) -> RegisteredMethod[CompressFn]:
+    """The registered method ``name`` (``.config_cls``, ``.fn``); ``KeyError`` listing known names."""
+    return METHODS.get(name)
+
+
+def parse_settings(
+    mapping: Mapping[str, Any],
+    source: str | None = None,
+    lines: Mapping[str, int] | None = None,
+    *,
+    prefix: str = "compression.settings",
+) -> dict[str, tuple[str, MethodSpec]]:
+    """``compression.settings`` -> ``{setting: (method_name, cfg)}`` (see :meth:`MethodRegistry.parse_settings`)."""
+    return METHODS.parse_settings(mapping, source, lines, prefix=prefix)
+
+
+def compress(model: nn.Module, cfg: MethodSpec, *, calib_tokens: np.ndarray | None = None) -> CompressedModel:
+    """Run the method ``cfg.method`` on ``model`` (which it leaves unchanged)."""
+    return get_method(cfg.method).fn(model, cfg, calib_tokens=calib_tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionConfig:
+    """The ``compression:`` section of params/compression.yaml.
+
+    ``settings``: named method entries (``{method: rtn, bits: 4, ...}``), checked against each
+    method's config class. ``enabled``: the settings to run (empty = all), so a preset can run fewer
+    settings without copying them. ``models``: trained runs to compress by name (empty = all).
+    ``eval_tokens``: validation tokens scored per compressed model; ``seq_len``/``batch_size`` of
+    the evaluation windows (``seq_len`` None = the model's training length). ``calib_tokens``:
+    training tokens handed to methods that calibrate (0 = none; RTN needs none).
+    """
+
+    settings: dict[str, dict[str, Any]]
+    enabled: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    eval_tokens: int = 65536
+    seq_len: int | None = None
+    batch_size: int = 16
+    calib_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        require(len(self.settings) > 0, "settings", "needs at least one setting")
+        METHODS.validate_section(self.settings, self.enabled)
+        require(self.eval_tokens >= 2, "eval_tokens", f"must be >= 2, got {self.eval_tokens}")
+        require(self.seq_len is None or self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.calib_tokens >= 0, "calib_tokens", f"must be >= 0, got {self.calib_tokens}")
+        require(len(set(self.models)) == len(self.models), "models", f"has duplicates: {list(self.models)}")
+
+    def methods(self) -> dict[str, tuple[str, MethodSpec]]:
+        """The enabled settings as ``{setting: (method_name, cfg)}``, in file order."""
+        parsed = parse_settings(self.settings, prefix="compression.settings")
+        names = self.enabled or tuple(parsed)
+        return {n: parsed[n] for n in names}
+
+
+# ---------------------------------------------------------------------------------------------
+# On disk
+
+_META_KEY = "scalelab"
+
+
+def save_compressed(cm: CompressedModel, path: str | Path) -> int:
+    """Write ``cm.tensors`` and ``cm.meta`` as one safetensors file, atomically; return its size in bytes.
+
+    The size is ``bytes_on_disk``: measured from the file, header included.
+    """
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in cm.tensors.items()}
+    meta = json.dumps(to_dict(cm.meta), allow_nan=False, sort_keys=True)
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={_META_KEY: meta})
+    return path.stat().st_size
+
+
+def load_compressed(path: str | Path, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a file written by :func:`save_compressed`: ``(tensors, meta)``."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device=str(device)) as fh:
+        meta = json.loads((fh.metadata() or {}).get(_META_KEY, "{}"))
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    return tensors, meta
+
+
+def unique_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The state dict with tied tensors stored once: ``(tensors, {alias: name stored})``.
+
+    safetensors refuses shared storage; tied embeddings (``lm_head.weight`` is
+    ``embed_tokens.weight``) are the usual case.
+    """
+    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in seen:
+            tied[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t
+    return tensors, tied

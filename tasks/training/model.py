@@ -1,0 +1,190 @@
+"""Models of the ladder: randomly initialised Llama (or xLSTM) causal LMs from `transformers`, no hub.
+
+Choices, the same for every rung:
+
+* **Untied** input embedding and LM head. The scaling-law N (Kaplan et al. 2020, Hoffmann et al.
+  2022) counts non-embedding parameters; with untied weights the head is a separate matrix that is
+  excluded the same way as the embedding, and small rungs do not get a free "shared" head.
+* Llama: RMSNorm, SwiGLU MLP (width from :class:`ModelShape`), RoPE (theta 10,000), no biases,
+  no dropout, std-0.02 normal init (`transformers`' ``_init_weights``), SDPA attention.
+* xLSTM (``arch="xlstm"``, mLSTM blocks of `transformers`' ``xLSTMForCausalLM``): ``qk_dim_factor=1``
+  (0.5 gives odd head dims that break at small widths), the same SwiGLU width rule, the chunkwise
+  kernel in ``mode="train"``, whose chunk (``gcd(seq_len, 64)``) must divide the sequence length —
+  so evaluate on windows of ``seq_len``. Call it with ``use_cache=False`` (backward needs it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import nn
+
+from tasks.training.config import ModelShape
+
+Arch = Literal["llama", "xlstm"]
+
+
+def hf_config(shape: ModelShape, vocab_size: int, seq_len: int, arch: Arch = "llama", eos_token_id: int = 0) -> Any:
+    """The `transformers` config object for one rung (no weights)."""
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=shape.d_model,
+            intermediate_size=shape.intermediate_size,
+            num_hidden_layers=shape.n_layers,
+            num_attention_heads=shape.n_heads,
+            num_key_value_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            max_position_embeddings=seq_len,
+            rms_norm_eps=1e-5,
+            initializer_range=0.02,
+            tie_word_embeddings=False,
+            attention_dropout=0.0,
+            use_cache=False,
+            bos_token_id=eos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=None,
+            attn_implementation="sdpa",
+        )
+    if arch == "xlstm":
+        from transformers import xLSTMConfig
+
+        return xLSTMConfig(
+            vocab_size=vocab_size,
+            hidden_size=shape.d_model,
+            num_hidden_layers=shape.n_layers,
+            num_heads=shape.n_heads,
+            qk_dim_factor=1.0,
+            v_dim_factor=1.0,
+            ffn_proj_factor=shape.ffn_mult,
+            ffn_round_up_to_multiple_of=shape.ffn_multiple_of,
+            mode="train",
+            chunk_size=math.gcd(seq_len, 64),
+            autocast_kernel_dtype="bfloat16" if torch.cuda.is_available() else "float32",
+            tie_word_embeddings=False,
+            use_cache=False,
+            bos_token_id=eos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=None,
+        )
+    raise ValueError(f"arch: expected 'llama' or 'xlstm', got {arch!r}")
+
+
+def build_model(shape: ModelShape, vocab_size: int, seq_len: int, arch: Arch = "llama", seed: int = 0) -> nn.Module:
+    """A freshly initialised causal LM; the same ``seed`` gives bit-identical weights.
+
+    The global torch RNG is left as it was (initialisation runs under ``fork_rng``).
+
+    >>> m = build_model(ModelShape(d_model=64, n_layers=2, n_heads=4), 512, 128)
+    >>> m(input_ids=torch.zeros(1, 8, dtype=torch.long), use_cache=False).logits.shape
+    torch.Size([1, 8, 512])
+    """
+    config = hf_config(shape, vocab_size, seq_len, arch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if arch == "llama":
+            from transformers import LlamaForCausalLM
+
+            model = LlamaForCausalLM(config)
+        else:
+            from transformers import xLSTMForCausalLM
+
+            model = xLSTMForCausalLM(config)
+    return model
+
+
+def _embedding_params(model: nn.Module) -> set[int]:
+    ids = set()
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        mod = getattr(model, get)()
+        if mod is not None:
+            ids.add(id(mod.weight))
+    return ids
+
+
+def non_embedding_params(model: nn.Module) -> int:
+    """N: parameters excluding the token embedding and the LM head (Kaplan et al. 2020, Sec. 2.1)."""
+    skip = _embedding_params(model)
+    seen: set[int] = set()
+    n = 0
+    for p in model.parameters():
+        if id(p) in skip or id(p) in seen:
+            continue
+        seen.add(id(p))
+        n += p.numel()
+    return n
+
+
+def count_non_embedding_params(shape: ModelShape, vocab_size: int, arch: Arch = "llama", seq_len: int = 128) -> int:
+    """N of a rung without allocating it (built on the meta device)."""
+    config = hf_config(shape, vocab_size, seq_len, arch)
+    with torch.device("meta"):
+        if arch == "llama":
+            from transformers import LlamaForCausalLM
+
+            model = LlamaForCausalLM(config)
+        else:
+            from transformers import xLSTMForCausalLM
+
+            model = xLSTMForCausalLM(config)
+    return non_embedding_params(model)
+
+
+class FlopsPerToken(NamedTuple):
+    """Training FLOPs per token, split the way the scaling-law papers count them.
+
+    ``dense = 6N`` (Kaplan et al. 2020, Table 1: 2N forward + 4N backward);
+    ``attention = 6 * n_layers * seq_len * d_model`` (Kaplan's ``2 n_layer n_ctx d_attn`` forward
+    term, times 3 for training; 0 for xLSTM, whose chunkwise recurrence is linear in ``seq_len``);
+    ``lm_head = 6 * d_model * vocab`` (the head matmul that Chinchilla, App. F, counts and 6N omits).
+    """
+
+    dense: float
+    attention: float
+    lm_head: float
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.attention + self.lm_head
+
+
+def model_flops_per_token(shape: ModelShape, seq_len: int, vocab: int, arch: Arch = "llama") -> FlopsPerToken:
+    """Training FLOPs per token of one rung; multiply by D for a run's C (``6ND`` is ``.dense * D``).
+
+    >>> f = model_flops_per_token(ModelShape(d_model=64, n_layers=2, n_heads=4), 128, 512)
+    >>> f.attention == 6 * 2 * 128 * 64
+    True
+    """
+    n = count_non_embedding_params(shape, vocab, arch, seq_len)
+    attention = 6.0 * shape.n_layers * seq_len * shape.d_model if arch == "llama" else 0.0
+    return FlopsPerToken(dense=6.0 * n, attention=attention, lm_head=6.0 * shape.d_model * vocab)
+
+
+# Dense bf16 tensor-core peaks (no sparsity), from NVIDIA's datasheets; MFU is left missing elsewhere.
+_PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card is 756e12, matched first below
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+    "L4": 121e12,
+    "4090": 165e12,
+}
+
+
+def peak_flops(device: torch.device | str) -> float | None:
+    """Peak dense bf16 FLOP/s of a CUDA device if known, else None (CPU: None, MFU is not reported)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    if "H100" in name and "PCIe" in name:
+        return 756e12
+    for key, value in _PEAK_BF16_FLOPS.items():
+        if key in name:
+            return value
+    return None

@@ -1,0 +1,49 @@
+"""The train stage's fan-out on a local 2-worker Ray cluster through prefect-ray."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+
+from flows.runtime import PipelineConfig, make_context, task_runner
+from flows.train import train_ladder
+from tasks.common.tracking import tracked_run
+from tasks.training.config import ModelShape, TrainingConfig
+from tasks.training.loop import ladder
+from tasks.training.tokenizer import save_tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.ray
+def test_train_ladder_runs_on_two_ray_workers(prefect_harness, tmp_path: Path):
+    pytest.importorskip("prefect_ray")
+    rng = np.random.default_rng(0)
+    save_tokens(tmp_path / "train.npy", rng.integers(0, 300, 20_000).astype(np.uint16))
+    save_tokens(tmp_path / "val.npy", rng.integers(0, 300, 2_000).astype(np.uint16))
+    cfg = TrainingConfig(
+        vocab_size=300, seq_len=32, batch_size=4, sizes={"a": ModelShape(d_model=32, n_layers=1, n_heads=2)},
+        token_budgets=(2_048, 4_096), eval_interval=8, eval_tokens=512, checkpoint_interval=0,
+    )
+    ctx = make_context(ROOT, preset="ci", workdir=tmp_path)
+    ctx = dataclasses.replace(ctx, pipeline=dataclasses.replace(ctx.pipeline, runner="ray", ray_address=None, ray_num_cpus=2))
+    runner = task_runner(ctx.pipeline)
+    assert type(runner).__name__ == "RayTaskRunner"
+    jobs = [
+        dict(variant="v", spec=spec, train_path=str(tmp_path / "train.npy"), val_path=str(tmp_path / "val.npy"),
+             out_dir=str(tmp_path / "models" / spec.name))
+        for spec in ladder(cfg)
+    ]
+    with tracked_run("train", uri=ctx.tracking_uri, experiment="ray-test") as parent:
+        rows = train_ladder.with_options(task_runner=runner)(ctx, cfg, jobs, parent.ref())
+    assert [r["tokens"] for r in rows] == [2_048, 4_096]
+    assert all(np.isfinite(r["val_loss"]) for r in rows)
+    # Children were created inside Ray worker processes, linked to the parent by id.
+    client = mlflow.MlflowClient(ctx.tracking_uri)
+    exp = client.get_experiment_by_name("ray-test")
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.run_id}'")
+    assert len(children) == 2 and {c.info.status for c in children} == {"FINISHED"}
