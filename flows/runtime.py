@@ -164,3 +164,17 @@ def config_hash(*parts: Any) -> str:
     """A short stable hash of configs/specs, used to key resumable outputs by what made them."""
     blob = json.dumps([to_dict(p) if dataclasses.is_dataclass(p) else p for p in parts], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def map_tasks(pipeline: PipelineConfig, task: Any, jobs: list[dict[str, Any]], *, gpu: bool = True) -> list[Any]:
+    """Submit ``task`` once per job (keyword arguments) through the configured runner; results in order.
+
+    Locally a thread pool; under ``runner: ray`` one Ray task per job, asking for
+    ``gpus_per_train_task`` GPUs when ``gpu``. Call inside a flow so task runs are recorded.
+    """
+    import contextlib
+
+    runner = task_runner(pipeline)
+    with runner, (gpu_options(pipeline) if gpu else contextlib.nullcontext()):
+        futures = [runner.submit(task, parameters=job) for job in jobs]
+        return [f.result() for f in futures]

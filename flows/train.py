@@ -18,7 +18,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.progress import progress_bars
-from flows.runtime import Context, config_hash, gpu_options, task_runner
+from flows.runtime import Context, config_hash, map_tasks
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.io import read_json, write_json, write_text
 from tasks.common.tracking import RunRef, tracked_run
@@ -102,17 +102,16 @@ def train_point(
         return {"variant": variant, "run": spec.name, **params, **final, "history": history}
 
 
-@flow(name="train-ladder")
-def train_ladder(ctx: Context, cfg: TrainingConfig, jobs: list[dict], parent: RunRef) -> list[dict]:
-    """Fan the ladder's points out through the context's task runner."""
+def run_ladder(ctx: Context, cfg: TrainingConfig, jobs: list[dict], parent: RunRef) -> list[dict]:
+    """Fan the ladder's points out through the context's task runner (progress bars when local)."""
     local = ctx.pipeline.runner == "local"
-    with progress_bars(enabled=local) as bars, gpu_options(ctx.pipeline):
-        futures = [
-            train_point.submit(**job, cfg=cfg, parent=parent, preset=ctx.preset,
-                               progress=bars.bar(f"{job['variant']}/{job['spec'].name}", job["spec"].steps) if local else None)
+    with progress_bars(enabled=local) as bars:
+        jobs = [
+            dict(job, cfg=cfg, parent=parent, preset=ctx.preset,
+                 progress=bars.bar(f"{job['variant']}/{job['spec'].name}", job["spec"].steps) if local else None)
             for job in jobs
         ]
-        return [f.result() for f in futures]
+        return map_tasks(ctx.pipeline, train_point, jobs)
 
 
 @flow(name="train", log_prints=True)
@@ -141,7 +140,7 @@ def train_flow(
                 out_dir = layout.trained / variant / f"{spec.name}-{config_hash(cfg, spec, digest)}"
                 keep_dirs.add(out_dir)
                 jobs.append(dict(variant=variant, spec=spec, train_path=str(train_path), val_path=str(val_path), out_dir=str(out_dir)))
-        rows = train_ladder.with_options(task_runner=task_runner(ctx.pipeline))(ctx, cfg, jobs, run.ref())
+        rows = run_ladder(ctx, cfg, jobs, run.ref())
         for variant_dir in layout.trained.iterdir():
             for d in variant_dir.iterdir() if variant_dir.is_dir() else []:
                 if d.is_dir() and d not in keep_dirs:

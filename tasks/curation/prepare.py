@@ -145,6 +145,12 @@ def _quarantine_rows(frame: pl.DataFrame, reason: str) -> pl.DataFrame:
     )
 
 
+def drop_duplicate_ids(docs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Keep the first document per id; later ones become ``duplicate_id`` quarantine rows (ids are keys)."""
+    dup = ~docs["id"].is_first_distinct()
+    return docs.filter(~dup), _quarantine_rows(docs.filter(dup), "duplicate_id")
+
+
 def prepare_corpus(cfg: PrepareConfig) -> PreparedCorpus:
     """Read, cap, split and de-leak the corpus.
 
@@ -164,10 +170,8 @@ def prepare_corpus(cfg: PrepareConfig) -> PreparedCorpus:
     quarantine = pl.concat(q_parts)
     records_read = docs.height + quarantine.height
 
-    dup_id = docs["id"].is_duplicated() & ~docs["id"].is_first_distinct()
-    if dup_id.any():
-        quarantine = pl.concat([quarantine, _quarantine_rows(docs.filter(dup_id), "duplicate_id")])
-        docs = docs.filter(~dup_id)
+    docs, dup_q = drop_duplicate_ids(docs)
+    quarantine = pl.concat([quarantine, dup_q])
 
     # Two independent hashes: were the cap and the split drawn from one, the cap (smallest
     # values) would keep exactly the val docs.

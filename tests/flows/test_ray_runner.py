@@ -8,9 +8,10 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pytest
+from prefect import flow
 
 from flows.runtime import PipelineConfig, make_context, task_runner
-from flows.train import train_ladder
+from flows.train import run_ladder
 from tasks.common.tracking import tracked_run
 from tasks.training.config import ModelShape, TrainingConfig
 from tasks.training.loop import ladder
@@ -38,12 +39,16 @@ def test_train_ladder_runs_on_two_ray_workers(prefect_harness, tmp_path: Path):
              out_dir=str(tmp_path / "models" / spec.name))
         for spec in ladder(cfg)
     ]
-    with tracked_run("train", uri=ctx.tracking_uri, experiment="ray-test") as parent:
-        rows = train_ladder.with_options(task_runner=runner)(ctx, cfg, jobs, parent.ref())
+    @flow
+    def ladder_on_ray() -> list[dict]:
+        with tracked_run("train", uri=ctx.tracking_uri, experiment="ray-test") as parent:
+            return run_ladder(ctx, cfg, jobs, parent.ref()), parent.run_id
+
+    rows, parent_id = ladder_on_ray()
     assert [r["tokens"] for r in rows] == [2_048, 4_096]
     assert all(np.isfinite(r["val_loss"]) for r in rows)
     # Children were created inside Ray worker processes, linked to the parent by id.
     client = mlflow.MlflowClient(ctx.tracking_uri)
     exp = client.get_experiment_by_name("ray-test")
-    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.run_id}'")
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
     assert len(children) == 2 and {c.info.status for c in children} == {"FINISHED"}

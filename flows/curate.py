@@ -1,0 +1,114 @@
+"""Stage 1, curate: build every active data variant (a recipe of interventions) from the prepared corpus.
+
+Run: ``scalelab run curate [--preset ci]``. Writes ``data/curated/<variant>/{kept,dropped}.parquet``
+and ``stats.json`` per variant, ``reports/curation.csv`` (one row per variant, a column per drop
+reason) and ``reports/curation.json``; one MLflow child run per variant.
+
+Rewrites are cached in ``data/rewrite_cache/`` (outside DVC's outputs), so an interrupted or
+repeated rewrite step only generates documents it has not done yet.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+from prefect import flow
+
+from flows.stage import stage_context, stage_run, write_table
+from tasks.common.config import ConfigError, from_mapping, load_yaml
+from tasks.common.io import atomic_dir, write_json, write_parquet
+from tasks.curation.recipes import CurationConfig, run_recipe
+from tasks.curation.rewrite import DocumentRewriter
+
+
+def read_prepared_train(prepared: Path) -> pl.DataFrame:
+    shards = sorted((prepared / "train").glob("shard-*.parquet"))
+    if not shards:
+        raise FileNotFoundError(f"{prepared / 'train'}: no prepared shards; run `scalelab run prepare` first")
+    return pl.concat([pl.read_parquet(s) for s in shards])
+
+
+def variant_row(variant: str, stats: dict) -> dict:
+    """One flat row of reports/curation.csv: counts plus ``dropped.<reason>`` columns."""
+    row = {"variant": variant}
+    row |= {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    row |= {f"dropped.{r}": n for r, n in sorted(stats.get("dropped_by_reason", {}).items())}
+    return row
+
+
+@flow(name="curate", log_prints=True)
+def curate_flow(
+    root: str = ".",
+    preset: str | None = None,
+    workdir: str | None = None,
+    runner: str | None = None,
+    parent_run_id: str | None = None,
+) -> list[dict]:
+    ctx = stage_context(root, preset, workdir, runner, parent_run_id)
+    cfg = ctx.config(CurationConfig, "curation")
+    layout = ctx.layout
+    rows = []
+    with stage_run(ctx, "curate", cfg) as run:
+        docs = read_prepared_train(layout.prepared)
+        cache_dir = layout.data / "rewrite_cache"
+        rewriter = None
+        if any(cfg.variants[v].needs_rewriter for v in cfg.active):
+            previous = pl.read_parquet(cache_dir / "rewrites.parquet") if (cache_dir / "rewrites.parquet").exists() else None
+            rewriter = DocumentRewriter.from_config(cfg.rewrite, previous=previous)
+        with atomic_dir(layout.curated) as out:
+            for variant in cfg.active:
+                recipe = cfg.variants[variant]
+                with stage_run(ctx.with_parent(run.ref()), f"curate:{variant}", variant=variant,
+                               recipe=[s.kind for s in recipe.steps]) as child:
+                    try:
+                        result = run_recipe(docs, recipe, rewriter=rewriter)
+                    finally:
+                        if rewriter is not None:  # keep finished generations even if the step failed
+                            write_parquet(cache_dir / "rewrites.parquet", rewriter.results)
+                    write_parquet(out / variant / "kept.parquet", result.kept)
+                    write_parquet(out / variant / "dropped.parquet", result.dropped)
+                    write_json(out / variant / "stats.json", result.stats)
+                    row = variant_row(variant, result.stats)
+                    child.log_metrics({k: v for k, v in row.items() if k != "variant"})
+                    rows.append(row)
+                    print(f"curate: {variant}: kept {result.stats['docs_kept']} of {result.stats['docs_in']} docs")
+        write_table(ctx, "curation", rows, run)
+        write_json(layout.reports / "curation.json", {r["variant"]: {k: v for k, v in r.items() if k != "variant"} for r in rows})
+    return rows
+
+
+def load_recipe(recipe: str, recipe_file: Path | None, root: Path, preset: str | None):
+    """A named recipe from ``recipe_file`` (a YAML with a ``curation:`` section) or params/curation.yaml."""
+    if recipe_file is None:
+        from tasks.common.params import default_preset, load_stage_config
+
+        cfg = load_stage_config(CurationConfig, root, "curation", preset or default_preset(root))
+        source = str(root / "params" / "curation.yaml")
+    else:
+        data, lines = load_yaml(recipe_file)
+        if "curation" not in data:
+            raise ConfigError(f"{recipe_file}: expected a top-level `curation:` section")
+        section = dict(data["curation"])
+        section.setdefault("active", [recipe])
+        cfg = from_mapping(CurationConfig, section, source=str(recipe_file), prefix="curation", lines=lines)
+        source = str(recipe_file)
+    if recipe not in cfg.variants:
+        raise ConfigError(f"{source}: no recipe named {recipe!r}; defined: {', '.join(sorted(cfg.variants))}")
+    return cfg, cfg.variants[recipe]
+
+
+def curate_any(
+    *, inputs: list[Path], out: Path, recipe: str, recipe_file: Path | None, root: Path,
+    preset: str | None = None, workers: int = 2, runner: str = "local",
+) -> dict:
+    """``scalelab curate``: one recipe over any JSONL/Parquet corpus, sharded and resumable."""
+    from tasks.curation.sharded import curate_corpus
+
+    cfg, chosen = load_recipe(recipe, recipe_file, root, preset)
+    executor = None
+    if runner == "ray":
+        from flows.ray_executor import RayExecutor
+
+        executor = RayExecutor()
+    return curate_corpus(inputs, out, chosen, n_workers=workers, shard_docs=cfg.shard_docs, executor=executor)

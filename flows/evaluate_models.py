@@ -1,0 +1,34 @@
+"""What the compress and sparse_eval stages share: the trained models to work on, and their data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from flows.runtime import Context
+
+
+def trained_models(ctx: Context, names: tuple[str, ...] = ()) -> list[dict]:
+    """Rows of reports/train.csv (variant, run, n_params, tokens, val_loss, model_dir), optionally by run name."""
+    table = ctx.layout.reports / "train.csv"
+    if not table.exists():
+        raise FileNotFoundError(f"{table}: no trained models; run `scalelab run train` first")
+    rows = pl.read_csv(table).to_dicts()
+    if names:
+        known = {r["run"] for r in rows}
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise FileNotFoundError(f"{table}: no trained run named {missing[0]!r}; runs: {sorted(known)}")
+        rows = [r for r in rows if r["run"] in names]
+    for r in rows:
+        r["model_dir"] = str(ctx.workdir / r["model_dir"])
+    return rows
+
+
+def tokens_path(ctx: Context, variant: str) -> Path:
+    return ctx.layout.tokens / f"{variant}.npy"
+
+
+def val_tokens_path(ctx: Context) -> Path:
+    return ctx.layout.tokens / "val.npy"

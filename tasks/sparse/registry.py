@@ -1,0 +1,192 @@
+"""Sparse-inference methods by name: each is one module, one params block and one test.
+
+A method registers a config (a :class:`SparseMethodSpec`, which carries the ``sparsities`` to sweep)
+and a function returning an :class:`ActivationSparsity` handle::
+
+    @register_sparsifier("teal", TealConfig)
+    def teal(model, cfg, *, sparsity, calib_tokens=None) -> ActivationSparsity: ...
+
+    with teal(model, cfg, sparsity=0.5, calib_tokens=calib) as handle:   # hooks on
+        loss = evaluate_loss(model, val_tokens, ...)
+    handle.achieved_sparsity()                                            # hooks off, counts kept
+
+``params/sparse_eval.yaml``::
+
+    sparse_eval:
+      settings:
+        teal: {method: teal, sparsities: [0.25, 0.5, 0.65]}
+
+Every module of :mod:`tasks.sparse` is imported when a method is first looked up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tasks.common.config import require
+from tasks.compression.registry import MethodRegistry, MethodSpec, RegisteredMethod
+
+SiteFn = Callable[[torch.Tensor], torch.Tensor]
+"""Maps a module's input (..., d) to its sparsified version (same shape and dtype)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseMethodSpec(MethodSpec):
+    """A sparse-inference params entry: ``method``, the ``sparsities`` to evaluate, the method's fields."""
+
+    sparsities: tuple[float, ...] = (0.25, 0.5, 0.65)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(len(self.sparsities) > 0, "sparsities", "needs at least one level")
+        require(all(0.0 <= s < 1.0 for s in self.sparsities), "sparsities",
+                f"each must be in [0, 1), got {list(self.sparsities)}")
+        require(len(set(self.sparsities)) == len(self.sparsities), "sparsities",
+                f"has duplicates: {list(self.sparsities)}")
+
+
+class ActivationSparsity(contextlib.AbstractContextManager):
+    """Forward pre-hooks that replace the input of selected modules, counting the zeros they pass on.
+
+    ``sites`` maps a qualified module name to ``(module, fn)``; while the handle is entered, each
+    call of ``module(x, ...)`` runs as ``module(fn(x), ...)``. Hooks are removed on exit, also when
+    the block raises. Counts accumulate across entries until :meth:`reset_counts`.
+
+    Achieved sparsity of a site = zero entries in what the module received / entries received: the
+    fraction of weight columns a sparse kernel (:func:`kernels.sparse_gemv.sparse_gemv`) would skip.
+    """
+
+    def __init__(self, model: nn.Module, sites: Mapping[str, tuple[nn.Module, SiteFn]], *,
+                 meta: Mapping[str, Any] | None = None) -> None:
+        self.model = model
+        self.sites = dict(sites)
+        self.meta = dict(meta or {})
+        self._handles: list[Any] = []
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        self._zeros: dict[str, torch.Tensor | int] = {n: 0 for n in self.sites}
+        self._total: dict[str, int] = {n: 0 for n in self.sites}
+
+    def _hook(self, name: str, fn: SiteFn):
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]):
+            if not args:
+                raise RuntimeError(f"{name}: expected the input as the first positional argument")
+            y = fn(args[0])
+            # Kept as a device tensor: no host sync per call.
+            self._zeros[name] = self._zeros[name] + (y == 0).sum()
+            self._total[name] += y.numel()
+            return (y, *args[1:])
+
+        return pre_hook
+
+    def __enter__(self) -> ActivationSparsity:
+        if self._handles:
+            raise RuntimeError("this sparsity handle is already active")
+        try:
+            for name, (module, fn) in self.sites.items():
+                self._handles.append(module.register_forward_pre_hook(self._hook(name, fn)))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def per_site(self) -> dict[str, float]:
+        """Achieved sparsity of each site that has seen input (sites never called are left out)."""
+        return {n: float(self._zeros[n]) / t for n, t in self._total.items() if t}
+
+    def achieved_sparsity(self) -> float | None:
+        """Zeros / entries over all sites and calls so far; ``None`` before any input was seen."""
+        total = sum(self._total.values())
+        if not total:
+            return None
+        return float(sum(float(z) for z in self._zeros.values())) / total
+
+
+SparsifyFn = Callable[..., ActivationSparsity]
+"""``sparsify(model, cfg, *, sparsity: float, calib_tokens: np.ndarray | None) -> ActivationSparsity``."""
+
+SPARSIFIERS: MethodRegistry[SparsifyFn] = MethodRegistry("sparse-inference method", "tasks.sparse")
+
+
+def register_sparsifier(name: str, config_cls: type[SparseMethodSpec]) -> Callable[[SparsifyFn], SparsifyFn]:
+    """Decorator registering ``sparsify(model, cfg, *, sparsity, calib_tokens) -> ActivationSparsity``."""
+    if not (isinstance(config_cls, type) and issubclass(config_cls, SparseMethodSpec)):
+        raise TypeError(f"sparse-inference method {name!r}: config_cls must subclass SparseMethodSpec")
+    return SPARSIFIERS.register(name, config_cls)
+
+
+def get_sparsifier(name: str) -> RegisteredMethod[SparsifyFn]:
+    return SPARSIFIERS.get(name)
+
+
+def parse_settings(
+    mapping: Mapping[str, Any],
+    source: str | None = None,
+    lines: Mapping[str, int] | None = None,
+    *,
+    prefix: str = "sparse_eval.settings",
+) -> dict[str, tuple[str, SparseMethodSpec]]:
+    """``sparse_eval.settings`` -> ``{setting: (method_name, cfg)}``; errors name file, line and key."""
+    return SPARSIFIERS.parse_settings(mapping, source, lines, prefix=prefix)  # type: ignore[return-value]
+
+
+def sparsify(model: nn.Module, cfg: SparseMethodSpec, *, sparsity: float,
+             calib_tokens: np.ndarray | None = None) -> ActivationSparsity:
+    """The handle of method ``cfg.method`` at ``sparsity`` (enter it to switch sparsity on)."""
+    return get_sparsifier(cfg.method).fn(model, cfg, sparsity=sparsity, calib_tokens=calib_tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseEvalConfig:
+    """The ``sparse_eval:`` section of params/sparse_eval.yaml.
+
+    ``settings``: named method entries, each with its ``sparsities``. ``enabled``: settings to run
+    (empty = all). ``models``: trained runs to evaluate by name (empty = all). ``eval_tokens``:
+    validation tokens scored per (setting, sparsity); ``calib_tokens``: training tokens given to
+    methods that calibrate (TEAL's threshold mode); ``seq_len`` (None = the model's training
+    length) and ``batch_size`` of the evaluation windows.
+    """
+
+    settings: dict[str, dict[str, Any]]
+    enabled: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    eval_tokens: int = 65536
+    calib_tokens: int = 16384
+    seq_len: int | None = None
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        require(len(self.settings) > 0, "settings", "needs at least one setting")
+        SPARSIFIERS.validate_section(self.settings, self.enabled)
+        require(self.eval_tokens >= 2, "eval_tokens", f"must be >= 2, got {self.eval_tokens}")
+        require(self.calib_tokens >= 0, "calib_tokens", f"must be >= 0, got {self.calib_tokens}")
+        require(self.seq_len is None or self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(len(set(self.models)) == len(self.models), "models", f"has duplicates: {list(self.models)}")
+
+    def methods(self) -> dict[str, tuple[str, SparseMethodSpec]]:
+        """The enabled settings as ``{setting: (method_name, cfg)}``, in file order."""
+        parsed = parse_settings(self.settings)
+        names = self.enabled or tuple(parsed)
+        return {n: parsed[n] for n in names}
+
