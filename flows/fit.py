@@ -58,7 +58,7 @@ def fit_flow(
     with stage_run(ctx, "fit", cfg) as run:
         points = gather_points(ctx.layout.reports)
         report = fit_points(points, cfg)
-        paths = write_fit_report(report, points, ctx.layout.reports)
+        paths = write_fit_report(report, points, ctx.layout.reports, plots_dir=ctx.layout.plots)
         for p in paths:
             run.log_artifact(p, "plots" if p.suffix == ".png" else "reports")
         for variant, fit in report.get("variants", {}).items():

@@ -74,7 +74,9 @@ def _dequantize_kernel(
 
 def _blocks(group_size: int) -> tuple[int, int]:
     block_k = triton.next_power_of_2(group_size)
-    block_g = max(1, min(64, 4096 // block_k))  # ~4096 elements per tile
+    # ~4096 elements per tile on a GPU; the interpreter pays per program, so it gets bigger tiles.
+    elems, most = (65536, 1024) if INTERPRETED else (4096, 64)
+    block_g = max(1, min(most, elems // block_k))
     return block_g, block_k
 
 

@@ -66,16 +66,19 @@ def sparse_gemv(
     weight: torch.Tensor,
     *,
     threshold: float,
-    block_n: int = 64,
-    block_k: int = 64,
+    block_n: int | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor:
     """``y = weight @ (x where |x| >= threshold else 0)`` skipping inactive input channels.
 
     x: (in,) or (..., in); weight: (out, in), any strides (channel-major ``w_t.t()`` gives
     contiguous column reads). Returns (..., out) in ``x.dtype``. ``block_n``/``block_k``: tile
-    sizes, powers of two; skipping happens at ``block_k`` granularity for the all-inactive test.
+    sizes, powers of two (default 64; larger under the interpreter, which pays per program and
+    per loop step); whole blocks of ``block_k`` inactive channels skip the weight load entirely.
     """
     _check(x, weight)
+    block_n = block_n or (256 if INTERPRETED else 64)
+    block_k = block_k or (128 if INTERPRETED else 64)
     if block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"block_n/block_k: expected powers of two, got {block_n}, {block_k}")
     lead = x.shape[:-1]

@@ -103,7 +103,9 @@ def _step_fields() -> list[tuple[str, Any, Any]]:
     kinds: list[tuple[str, type]] = [("exact_dedup", ExactDedupStep), ("minhash", MinHashConfig)]
     kinds += [(name, cfg_cls) for name, (cfg_cls, _fn) in FILTERS.items()]
     kinds += [("rewrite", RewriteStep), ("mix", MixStep)]
-    return [(name, cls | None, field(default=None)) for name, cls in kinds]
+    # Annotated as the bare config class (default None) rather than ``cls | None``: from_mapping
+    # then reports a bad setting by its own key instead of "expected X or NoneType".
+    return [(name, cls, field(default=None)) for name, cls in kinds]
 
 
 def _step_post_init(self: Any) -> None:
@@ -131,7 +133,6 @@ Step = dataclasses.make_dataclass(
     _step_fields(),
     frozen=True,
     kw_only=True,
-    module=__name__,
     namespace={
         "__doc__": "One recipe step: exactly one field set, e.g. ``Step(minhash=MinHashConfig(threshold=0.8))``.",
         "__post_init__": _step_post_init,
@@ -140,14 +141,14 @@ Step = dataclasses.make_dataclass(
         "is_global": property(_step_is_global, doc="True for steps that need the whole corpus at once."),
     },
 )
+Step.__module__ = __name__  # so pickling (process pools) finds it; make_dataclass(module=) is 3.12+
 
 
 def step(kind: str, **settings: Any) -> Any:
     """``step("minhash", threshold=0.8)`` — a :class:`Step` from a kind name and its settings."""
     kinds = {f.name: f for f in dataclasses.fields(Step)}
     require(kind in kinds, "step", f"unknown step {kind!r}; known: {sorted(kinds)}")
-    cls = next(a for a in kinds[kind].type.__args__ if a is not type(None))
-    return Step(**{kind: cls(**settings)})
+    return Step(**{kind: kinds[kind].type(**settings)})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,9 +248,10 @@ def mix_rewritten(
     """Choose per document the rewritten or original text so rewritten tokens ≈ ``mix.rewritten`` of all.
 
     ``docs`` carries the rewrite in ``_rewrite_text`` (null = none). Start with
-    every available rewrite used; if the rewritten share is above the target,
-    revert documents to original (in ``hash(seed, id)`` order) while that brings the
-    share closer; if below, drop original-only documents in the same order. Returns
+    every available rewrite used; if the rewritten share is above the target, walk
+    the documents in ``hash(seed, id)`` order and revert each to its original when
+    that brings the share closer; if below, drop original-only documents the same
+    way. The share ends within about one document's tokens of the target. Returns
     ``(kept, dropped, stats)`` with ``stats["mix_rewritten_share"]`` the share reached.
     """
     target = mix.rewritten
@@ -271,21 +273,20 @@ def mix_rewritten(
             if not use_rw[i]:
                 continue
             r2, o2 = R - rw[i], O + orig[i]
-            if abs(share(r2, o2) - target) >= abs(share(R, O) - target):
-                break
-            R, O, use_rw[i] = r2, o2, False
+            if abs(share(r2, o2) - target) < abs(share(R, O) - target):  # else try a smaller one
+                R, O, use_rw[i] = r2, o2, False
     elif share(R, O) < target:
         for i in order:
             if use_rw[i] or drop[i]:
                 continue
             o2 = O - orig[i]
-            if abs(share(R, o2) - target) >= abs(share(R, O) - target):
-                break
-            O, drop[i] = o2, True
+            if abs(share(R, o2) - target) < abs(share(R, O) - target):
+                O, drop[i] = o2, True
     use = pl.Series(use_rw)
     out = docs.with_columns(
         pl.when(use).then(pl.col(_REWRITE_COL)).otherwise(pl.col("text")).alias("text"),
         pl.when(use).then(pl.col("rewrite")).otherwise(pl.lit(None, dtype=pl.Utf8)).alias("rewrite"),
+        pl.lit(None, dtype=pl.Utf8).alias(_REWRITE_COL),  # consumed: finalize must not re-apply it
     )
     drop_s = pl.Series(drop)
     stats = {"mix_rewritten_share": share(R, O), "mix_target": target,

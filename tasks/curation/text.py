@@ -60,6 +60,7 @@ _UNITS = (
     "km²|km³|km|m²|m³|m|dm²|dm³|dm|cm²|cm³|cm|mm²|mm³|mm|ha|µm|nm|yd|in|ft|kg|g|mg|µg|t|lb|oz|m/s|km/h|kmh|mph|"
     "hPa|Pa|mbar|mb|MB|kb|KB|gb|GB|tb|TB|T|G|M|K|%|am|pm|a\\.m\\.|p\\.m\\."
 )
+_SUFFIX_NO_DOT = _SUFFIX.replace(".", "")
 # Positions where spaCy's infix rules (or a clitic) end a word inside a chunk.
 _SPLIT = (
     r"\.{2,}|…"
@@ -74,7 +75,10 @@ _SPLIT = (
 # Where a word ends although the next character starts another word (``10|km``, ``can|not``).
 _BREAK = rf"{_SPLIT}|(?<=\p{{N}})(?:{_UNITS})(?=[{_SUFFIX}]*(?:\s|$))|(?<=(?<!\w)[Cc]an)not\b"
 WORD_PATTERN = regex.compile(
-    r"(?:https?://|www\.)\S+?(?=[.,;:!?)\]\"'”’…]*(?:\s|$))"  # URL, trailing punctuation split off
+    # fast path first: a plain word followed by suffix punctuation other than "." and a space
+    rf"(?![Cc]annot\b)(?:\p{{L}}[\p{{L}}\p{{M}}]*|\p{{N}}+)(?=[{_SUFFIX_NO_DOT}]*(?:\s|$))"
+    r'|[,;:!?()\[\]"“”]'  # prefix characters that never start a longer token
+    r"|(?:https?://|www\.)\S+?(?=[.,;:!?)\]\"'”’…]*(?:\s|$))"  # URL, trailing punctuation split off
     rf"|(?<![\w.])(?:{_TITLES})\.(?!\w)"  # titles/abbreviations that keep their period
     r"|(?<![\w.])(?:\p{L}\.)*\p{Lu}\.(?!\w)"  # initials and U.S.-style abbreviations
     rf"|n['’]t\b|(?<=\w)['’]{_CLITIC}"  # do|n't, John|'s, I|'m

@@ -158,8 +158,10 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path) -> list[Path]:
-    """Write fits.json, compute_optimal.csv and PNG plots under ``out_dir``; return the paths.
+def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path,
+                     plots_dir: str | Path | None = None) -> list[Path]:
+    """Write fits.json, compute_optimal.csv under ``out_dir`` and PNG plots under ``plots_dir``
+    (default ``out_dir``); return the paths.
 
     Plots: ``loss_vs_compute_<variant>.png`` (runs and fitted iso-N curves),
     ``isoflop_<variant>.png`` (per-level parabolas and minima, where IsoFLOP levels exist) and
@@ -175,6 +177,8 @@ def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path) ->
     frame = validate_points(points)
     written = [write_json(out / "fits.json", report), write_csv(out / "compute_optimal.csv",
                                                                compute_optimal_frame(report))]
+    out = Path(plots_dir) if plots_dir is not None else out
+    out.mkdir(parents=True, exist_ok=True)
     for name, entry in report["variants"].items():
         if "alpha" not in entry:
             continue

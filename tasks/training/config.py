@@ -103,7 +103,9 @@ class TrainingConfig:
 
     vocab_size: int = 4096  # the tokenizer's size; the tokenizer is trained to exactly this
     seq_len: int = 128
-    sizes: dict[str, ModelShape]
+    # A list, not a name->shape mapping: presets replace lists whole but merge mappings key by key.
+    # Each rung is named by its shape tag (d64_l2).
+    sizes: tuple[ModelShape, ...]
     token_budgets: tuple[int, ...]
     arch: Literal["llama", "xlstm"] = "llama"
     batch_size: int = 16  # sequences per micro-batch
@@ -120,6 +122,9 @@ class TrainingConfig:
     checkpoint_interval: int = 200  # steps between resumable checkpoints; 0 disables them
     seed: int = 0
     compile: bool = False  # torch.compile the model (worth it on GPU for the larger rungs)
+    # torch intra-op threads while a run trains (restored afterwards); 0 leaves torch's setting.
+    # Tiny models on a busy 2-core machine run several times faster on 1 thread.
+    num_threads: int = 0
     variants: tuple[str, ...] = ()  # curated variants to train; empty = every variant
     repb: RePBConfig = field(default_factory=RePBConfig)
 
@@ -127,9 +132,9 @@ class TrainingConfig:
         require(self.vocab_size >= 256, "vocab_size", f"must be >= 256 (byte-level BPE), got {self.vocab_size}")
         require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
         require(len(self.sizes) > 0, "sizes", "needs at least one model shape")
-        require(all(isinstance(s, ModelShape) for s in self.sizes.values()), "sizes",
-                "every value must be a ModelShape")
-        tags = [s.tag for s in self.sizes.values()]
+        require(all(isinstance(s, ModelShape) for s in self.sizes), "sizes",
+                "every item must be a ModelShape")
+        tags = [s.tag for s in self.sizes]
         require(len(set(tags)) == len(tags), "sizes", f"two sizes share a d_model/n_layers tag: {tags}")
         require(len(self.token_budgets) > 0, "token_budgets", "needs at least one budget")
         require(all(t > 0 for t in self.token_budgets), "token_budgets", f"must be positive, got {self.token_budgets}")
@@ -149,6 +154,7 @@ class TrainingConfig:
         require(self.log_interval >= 1, "log_interval", f"must be >= 1, got {self.log_interval}")
         require(self.checkpoint_interval >= 0, "checkpoint_interval",
                 f"must be >= 0 (0 disables), got {self.checkpoint_interval}")
+        require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0 = torch's default), got {self.num_threads}")
         require(len(set(self.variants)) == len(self.variants), "variants", f"has duplicates: {self.variants}")
 
     @property

@@ -82,11 +82,11 @@ def ladder(cfg: TrainingConfig) -> list[RunSpec]:
     """Every (size, budget) pair of the config, ordered by N then D."""
     specs = []
     per_step = cfg.tokens_per_step
-    for size, shape in cfg.sizes.items():
+    for shape in cfg.sizes:
         n = count_non_embedding_params(shape, cfg.vocab_size, cfg.arch, cfg.seq_len)
         for tokens in cfg.token_budgets:
             steps = max(1, round(tokens / per_step))
-            specs.append(RunSpec(name=run_name(shape, tokens), size=size, shape=shape, tokens=tokens,
+            specs.append(RunSpec(name=run_name(shape, tokens), size=shape.tag, shape=shape, tokens=tokens,
                                  n_params=n, steps=steps, tokens_per_step=per_step))
     return sorted(specs, key=lambda s: (s.n_params, s.tokens))
 
@@ -200,7 +200,8 @@ class TrainResult:
 def run_fingerprint(spec: RunSpec, cfg: TrainingConfig) -> str:
     """Hash of everything that changes a run's numbers (not the ladder lists or checkpoint cadence)."""
     c = to_dict(cfg)
-    for k in ("sizes", "token_budgets", "variants", "checkpoint_interval", "compile"):
+    # Performance knobs are left out: they change float summation order, not what the run is.
+    for k in ("sizes", "token_budgets", "variants", "checkpoint_interval", "compile", "num_threads"):
         c.pop(k, None)
     blob = json.dumps({"cfg": c, "spec": spec.to_dict()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -347,6 +348,20 @@ def train_model(
                              f"({stored.get('fingerprint')} != {fingerprint}); delete {out_dir} to retrain")
         return TrainResult.from_dict(stored)
 
+    if cfg.num_threads > 0:
+        previous_threads = torch.get_num_threads()
+        torch.set_num_threads(cfg.num_threads)
+        try:
+            return _train(spec, cfg, train_tokens, val_tokens, out_dir, fingerprint, on_metrics, progress, device)
+        finally:
+            torch.set_num_threads(previous_threads)
+    return _train(spec, cfg, train_tokens, val_tokens, out_dir, fingerprint, on_metrics, progress, device)
+
+
+def _train(spec: RunSpec, cfg: TrainingConfig, train_tokens: np.ndarray, val_tokens: np.ndarray, out_dir: Path,
+           fingerprint: str, on_metrics: MetricsCallback | None, progress: ProgressCallback | None,
+           device: torch.device | str | None) -> TrainResult:
+    result_path = out_dir / "result.json"
     t_start = time.perf_counter()
     device = _resolve_device(device)
     for label, arr in (("train_tokens", train_tokens), ("val_tokens", val_tokens)):

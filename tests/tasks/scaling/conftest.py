@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 
 def synthetic_ladder(*, E=1.8, A=400.0, B=1500.0, alpha=0.34, beta=0.30, noise=0.005, seed=0,
@@ -14,3 +15,9 @@ def synthetic_ladder(*, E=1.8, A=400.0, B=1500.0, alpha=0.34, beta=0.30, noise=0
     D = N * ratio
     loss = (E + A / N**alpha + B / D**beta) * np.exp(noise * rng.standard_normal(N.size))
     return N, D, loss
+
+
+@pytest.fixture
+def ladder():
+    """The :func:`synthetic_ladder` factory."""
+    return synthetic_ladder

@@ -5,9 +5,7 @@ from tasks.scaling.chinchilla import (bootstrap_chinchilla, bootstrap_starts, fi
                                       grid_objective, huber_objective, initial_grid)
 from tasks.scaling.config import FitConfig
 
-from .conftest import synthetic_ladder
-
-CFG = FitConfig(n_bootstrap=40, n_jobs=1, n_starts=16)
+CFG = FitConfig(n_bootstrap=30, n_jobs=1, n_starts=16)
 
 
 def _logs(N, D, L):
@@ -16,8 +14,8 @@ def _logs(N, D, L):
 
 @pytest.mark.parametrize("delta", [1e-3, 1e-1], ids=["delta=1e-3(linear branch)", "delta=0.1(quadratic)"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "bootstrap-weights"])
-def test_gradient_matches_finite_differences(delta, weighted):
-    N, D, L = synthetic_ladder(noise=0.02, n_sizes=7, n_tokens=9)  # 63 points
+def test_gradient_matches_finite_differences(delta, weighted, ladder):
+    N, D, L = ladder(noise=0.02, n_sizes=7, n_tokens=9)  # 63 points
     args = _logs(N, D, L)
     w = np.random.default_rng(1).integers(0, 4, len(N)).astype(float) if weighted else None
     for theta in (np.array([6.0, 7.5, 0.6, 0.33, 0.31]), np.array([4.0, 9.0, 0.2, 0.5, 0.2])):
@@ -32,8 +30,8 @@ def test_gradient_matches_finite_differences(delta, weighted):
         np.testing.assert_allclose(g, num, rtol=1e-4, atol=1e-9 * max(1.0, abs(f)))
 
 
-def test_grid_objective_matches_pointwise():
-    N, D, L = synthetic_ladder()
+def test_grid_objective_matches_pointwise(ladder):
+    N, D, L = ladder()
     args = _logs(N, D, L)
     grid = initial_grid(FitConfig())
     assert grid.shape == (4500, 5)
@@ -42,9 +40,9 @@ def test_grid_objective_matches_pointwise():
     np.testing.assert_allclose(vec, [huber_objective(grid[i], *args, 1e-3)[0] for i in idx], rtol=1e-12)
 
 
-def test_recovers_known_parameters_from_noisy_ladder():
+def test_recovers_known_parameters_from_noisy_ladder(ladder):
     truth = dict(E=1.8, A=400.0, B=1500.0, alpha=0.34, beta=0.30)
-    N, D, L = synthetic_ladder(noise=0.003, seed=3, **truth)
+    N, D, L = ladder(noise=0.003, seed=3, **truth)
     fit = fit_chinchilla(N, D, L, CFG)
     assert fit.alpha == pytest.approx(truth["alpha"], abs=0.03)
     assert fit.beta == pytest.approx(truth["beta"], abs=0.03)
@@ -57,46 +55,50 @@ def test_recovers_known_parameters_from_noisy_ladder():
     assert fit.converged
 
 
-def test_noise_free_fit_is_exact():
-    N, D, L = synthetic_ladder(noise=0.0)
+def test_noise_free_fit_is_exact(ladder):
+    N, D, L = ladder(noise=0.0)
     fit = fit_chinchilla(N, D, L, CFG)
     assert fit.rmse_log < 1e-5
     assert fit.alpha == pytest.approx(0.34, abs=2e-3) and fit.beta == pytest.approx(0.30, abs=2e-3)
 
 
-def test_bootstrap_interval_covers_truth_and_is_reproducible():
-    N, D, L = synthetic_ladder(noise=0.01, seed=5)
+def test_bootstrap_interval_covers_truth_and_is_reproducible(ladder):
+    N, D, L = ladder(noise=0.01, seed=5)
     fit = fit_chinchilla(N, D, L, CFG)
     b1 = bootstrap_chinchilla(N, D, L, CFG, fit=fit)
-    assert len(b1.samples) == 40 and b1.n_failed == 0
+    assert len(b1.samples) == 30 and b1.n_failed == 0
     lo, hi = b1.intervals["alpha"]
     assert lo < 0.34 < hi and lo < fit.alpha < hi
     assert hi - lo < 0.2
-    b2 = bootstrap_chinchilla(N, D, L, FitConfig(n_bootstrap=40, n_jobs=2, n_starts=16), fit=fit)
-    np.testing.assert_allclose(b2.samples, b1.samples, rtol=1e-10)  # independent of n_jobs
+    # the same replicates in 2 worker processes give the same samples (drawn in the parent)
+    cfg2 = FitConfig(n_bootstrap=8, n_jobs=2, n_starts=16, bootstrap_start_spread=0.0)
+    b2 = bootstrap_chinchilla(N, D, L, cfg2, fit=fit)
+    b3 = bootstrap_chinchilla(N, D, L, FitConfig(n_bootstrap=8, n_jobs=1, n_starts=16,
+                                                 bootstrap_start_spread=0.0), fit=fit)
+    np.testing.assert_allclose(b2.samples, b3.samples, rtol=1e-10)
 
 
-def test_warns_on_narrow_n_and_few_points_and_excludes_top_loss():
-    N, D, L = synthetic_ladder(n_lo=1e8, n_hi=4e8, n_sizes=3, n_tokens=2)
+def test_warns_on_narrow_n_and_few_points_and_excludes_top_loss(ladder):
+    N, D, L = ladder(n_lo=1e8, n_hi=4e8, n_sizes=3, n_tokens=2)
     fit = fit_chinchilla(N, D, L, FitConfig(n_starts=8, exclude_top_loss=0, min_points=8))
     assert any("decades" in w and "unidentifiable" in w for w in fit.warnings)
     assert any("min_points=8" in w for w in fit.warnings)
-    N, D, L = synthetic_ladder()
+    N, D, L = ladder()
     fit = fit_chinchilla(N, D, L, FitConfig(n_starts=8, exclude_top_loss=3))
     top = set(np.argsort(-L)[:3].tolist())
     assert {e["row"] for e in fit.excluded} == top and fit.n_points == len(N) - 3
     assert all("exclude_top_loss=3" in e["reason"] for e in fit.excluded)
 
 
-def test_warns_when_parameter_hits_bound():
-    N, D, L = synthetic_ladder(noise=0.0)
+def test_warns_when_parameter_hits_bound(ladder):
+    N, D, L = ladder(noise=0.0)
     fit = fit_chinchilla(N, D, L, FitConfig(n_starts=8, bound_alpha=(0.0, 2.0), grid_alpha=(0.0, 0.5, 1.0),
                                             bound_e=(-1.0, 0.3), grid_e=(-1.0, 0.0)))
     # log(1.8) = 0.588 > 0.3: e is pinned at its upper bound
     assert any(w.startswith("e = 0.3 is at its bound") for w in fit.warnings)
 
 
-def test_bootstrap_starts_keep_terms_at_data_centre():
+def test_bootstrap_starts_keep_terms_at_data_centre(ladder):
     theta = np.array([6.0, 7.0, 0.5, 0.34, 0.3])
     ln, ld = np.log([1e8, 1e9]), np.log([1e10, 1e11])
     s = bootstrap_starts(theta, ln, ld, 0.25)
@@ -105,7 +107,7 @@ def test_bootstrap_starts_keep_terms_at_data_centre():
     np.testing.assert_allclose(s[:, 1] - s[:, 4] * ld.mean(), theta[1] - theta[4] * ld.mean())
 
 
-def test_rejects_bad_input():
+def test_rejects_bad_input(ladder):
     with pytest.raises(ValueError, match="loss must be positive and finite; row 2"):
         fit_chinchilla([1e8] * 6, [1e9] * 6, [3.0, 3.0, np.nan, 3.0, 3.0, 3.0], CFG)
     with pytest.raises(ValueError, match="needs at least 5 points"):

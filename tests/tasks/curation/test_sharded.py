@@ -1,0 +1,122 @@
+"""Sharded curation: global dedup across shards, crash-resume, and parallel == serial output."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+
+from tasks.curation import sharded
+from tasks.curation.recipes import Recipe, run_recipe, step
+from tasks.curation.sharded import SerialExecutor, curate_corpus, read_inputs
+from tests.tasks.curation.test_recipes import PROSE
+
+RECIPE = Recipe(steps=(step("gopher_quality"), step("exact_dedup"), step("c4_quality")))
+OUTPUTS = ("kept.parquet", "dropped.parquet", "quarantine.parquet", "stats.json")
+
+
+def write_corpus(path) -> str:
+    lines = []
+    for i in range(40):
+        if i % 9 == 4:
+            text = "too short"
+        elif i % 10 == 7:
+            text = PROSE  # the same text at i = 7, 17, 27, 37: duplicates across shards
+        else:
+            text = PROSE.replace("bridge", f"bridge number {i}")
+        if i == 12:
+            text += "\nPlease enable javascript to view this page"
+        lines.append(json.dumps({"id": f"u{i}", "text": text}))
+    lines.insert(5, "{not json")
+    lines.insert(20, json.dumps({"id": "empty", "text": "  "}))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def read_outputs(out):
+    frames = {name: pl.read_parquet(out / name) for name in OUTPUTS if name.endswith(".parquet")}
+    frames["stats.json"] = (out / "stats.json").read_text()
+    return frames
+
+
+def assert_same_outputs(a, b):
+    for name in OUTPUTS:
+        if name.endswith(".parquet"):
+            assert a[name].equals(b[name]), name
+        else:
+            assert a[name] == b[name]
+
+
+def test_sharded_equals_single_process_and_global_across_shards(tmp_path):
+    src = write_corpus(tmp_path / "in.jsonl")
+    stats = curate_corpus([src], tmp_path / "out", RECIPE, shard_docs=6, executor=SerialExecutor())
+    out = read_outputs(tmp_path / "out")
+    docs, _ = read_inputs([src])
+    ref = run_recipe(docs, RECIPE)
+    assert out["kept.parquet"].equals(ref.kept)
+    assert out["dropped.parquet"].sort("id").equals(ref.dropped.sort("id"))
+    # u7, u17, u27, u37 sit in different shards; only the first survives.
+    dups = out["dropped.parquet"].filter(pl.col("reason") == "exact_dedup.duplicate")
+    assert sorted(dups["id"]) == ["u17", "u27", "u37"] and set(dups["duplicate_of"]) == {"u7"}
+    q = out["quarantine.parquet"]
+    assert sorted(zip(q["line"], q["reason"])) == [(6, "invalid_json"), (21, "empty_text")]
+    assert set(q["file"]) == {"in.jsonl"}
+    assert stats["records_read"] == 42 == stats["docs_kept"] + stats["docs_dropped"] + stats["quarantined"]
+    assert json.loads(out["stats.json"])["docs_in"] == 40
+    assert "javascript" not in " ".join(out["kept.parquet"]["text"])
+    assert stats["run"] == {"shards_computed": 7 + 1 + 6, "shards_reused": 0}
+
+
+def test_crash_then_resume_redoes_only_unfinished_shards(tmp_path, monkeypatch):
+    src = write_corpus(tmp_path / "in.jsonl")
+    clean = tmp_path / "clean"
+    curate_corpus([src], clean, RECIPE, shard_docs=6, executor=SerialExecutor())
+
+    real = sharded._run_local_shard
+    calls = []
+
+    def crash_after_three(shard, steps, folder, token_count):
+        calls.append(folder)
+        if len(calls) > 3:
+            raise RuntimeError("worker killed")
+        return real(shard, steps, folder, token_count)
+
+    monkeypatch.setattr(sharded, "_run_local_shard", crash_after_three)
+    crashed = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="shards failed"):
+        curate_corpus([src], crashed, RECIPE, shard_docs=6, executor=SerialExecutor())
+    assert not (crashed / "kept.parquet").exists()
+    assert len(list((crashed / ".shards").glob("*/*/DONE"))) == 3
+
+    monkeypatch.setattr(sharded, "_run_local_shard", real)
+    stats = curate_corpus([src], crashed, RECIPE, shard_docs=6, executor=SerialExecutor())
+    assert stats["run"] == {"shards_computed": 4 + 1 + 6, "shards_reused": 3}
+    assert_same_outputs(read_outputs(clean), read_outputs(crashed))
+
+    again = curate_corpus([src], crashed, RECIPE, shard_docs=6, executor=SerialExecutor())
+    assert again["run"] == {"shards_computed": 0, "shards_reused": 14}
+
+    # A different recipe must not reuse the old parts.
+    other = Recipe(steps=(step("gopher_quality"),))
+    changed = curate_corpus([src], crashed, other, shard_docs=6, executor=SerialExecutor())
+    assert changed["run"]["shards_reused"] == 0
+    assert set(changed["dropped_by_reason"]) == {r for r in changed["dropped_by_reason"] if r.startswith("gopher")}
+
+
+def test_process_pool_equals_serial(tmp_path):
+    src = write_corpus(tmp_path / "in.jsonl")
+    curate_corpus([src], tmp_path / "serial", RECIPE, shard_docs=6, executor=SerialExecutor())
+    curate_corpus([src], tmp_path / "pool", RECIPE, shard_docs=6, n_workers=2)
+    assert_same_outputs(read_outputs(tmp_path / "serial"), read_outputs(tmp_path / "pool"))
+
+
+def test_parquet_input_and_errors(tmp_path):
+    p = tmp_path / "in.parquet"
+    pl.DataFrame({"text": [PROSE, PROSE, None], "id": ["a", "b", "c"]}).write_parquet(p)
+    stats = curate_corpus([str(p)], tmp_path / "o", Recipe(steps=(step("exact_dedup"),)), n_workers=1)
+    assert stats["docs_kept"] == 1 and stats["quarantined_by_reason"] == {"missing_text": 1}
+    with pytest.raises(FileNotFoundError, match="nothere.jsonl"):
+        curate_corpus([str(tmp_path / "nothere.jsonl")], tmp_path / "o2", Recipe(), n_workers=1)
+    with pytest.raises(ValueError, match="rewriter="):
+        curate_corpus([str(p)], tmp_path / "o3", Recipe(steps=(step("rewrite", style="hq"),)), n_workers=1)

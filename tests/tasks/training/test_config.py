@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tasks.common.config import ConfigError, from_mapping
+from tasks.common.params import PRESETS, load_stage_config
+from tasks.training.config import ModelShape, RePBConfig, TrainingConfig
+from tasks.training.loop import ladder
+ROOT = Path(__file__).resolve().parents[3]
+
+from training_fixtures import tiny_config
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_loads(preset):
+    cfg = load_stage_config(TrainingConfig, ROOT, "training", preset)
+    specs = ladder(cfg)
+    assert len(specs) == len(cfg.sizes) * len(cfg.token_budgets)
+    assert len({s.name for s in specs}) == len(specs)
+
+
+def test_demo_is_at_least_three_by_three_and_ci_is_small():
+    demo = load_stage_config(TrainingConfig, ROOT, "training", "demo")
+    ci = load_stage_config(TrainingConfig, ROOT, "training", "ci")
+    assert len(demo.sizes) >= 3 and len(demo.token_budgets) >= 3
+    assert len(ci.sizes) * len(ci.token_budgets) <= 4
+    assert max(s.d_model for s in ci.sizes) <= 64 and ci.seq_len <= 128
+    # presets replace the size list whole (a mapping would be merged key by key)
+    assert len(ci.sizes) == 2
+
+
+@pytest.mark.parametrize("d_model, expected", [(32, 96), (64, 192), (96, 256), (100, 288), (768, 2048)])
+def test_intermediate_size_rule(d_model, expected):
+    assert ModelShape(d_model=d_model, n_layers=1, n_heads=2).intermediate_size == expected
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(d_model=64, n_layers=1, n_heads=3), "n_heads"),        # not divisible
+    (dict(d_model=36, n_layers=1, n_heads=4), "n_heads"),        # odd head_dim 9
+    (dict(d_model=64, n_layers=0, n_heads=4), "n_layers"),
+    (dict(d_model=64, n_layers=1, n_heads=4, n_kv_heads=3), "n_kv_heads"),
+])
+def test_model_shape_rejects(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ModelShape(**kwargs)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(seq_len=1), "seq_len"),
+    (dict(token_budgets=()), "token_budgets"),
+    (dict(token_budgets=(100, 100)), "token_budgets"),
+    (dict(lr=0.0), "lr"),
+    (dict(warmup_frac=1.0), "warmup_frac"),
+    (dict(eval_tokens=16), "eval_tokens"),
+    (dict(betas=(0.9, 1.0)), "betas"),
+    (dict(sizes=(ModelShape(d_model=32, n_layers=1, n_heads=2), ModelShape(d_model=32, n_layers=1, n_heads=4))), "sizes"),
+])
+def test_training_config_rejects(change, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**change)
+
+
+def test_repb_config_rejects_bad_ratio():
+    with pytest.raises(ValueError, match="keep_ratio"):
+        RePBConfig(keep_ratio=0.0)
+    with pytest.raises(ValueError, match="weight_min"):
+        RePBConfig(weight_min=1.5)
+
+
+def test_from_mapping_reports_unknown_nested_key():
+    data = {"sizes": [{"d_model": 32, "n_layers": 1, "n_heads": 2, "width": 3}], "token_budgets": [10]}
+    with pytest.raises(ConfigError, match=r"training\.sizes\[0\]\.width"):
+        from_mapping(TrainingConfig, data, source="params/training.yaml", prefix="training")
+
+
+def test_steps_and_names():
+    cfg = tiny_config(token_budgets=(1000, 4096, 10), batch_size=4, grad_accum=2, seq_len=32)
+    specs = {s.tokens: s for s in ladder(cfg)}
+    assert specs[4096].steps == 16 and specs[4096].tokens_trained == 4096
+    assert specs[1000].steps == 4  # 1000 / 256 = 3.9 -> 4 steps
+    assert specs[10].steps == 1    # at least one step
+    assert specs[4096].name == "d32_l1_D4096"
+    assert dataclasses.replace(cfg, seed=1).tokens_per_step == 256
