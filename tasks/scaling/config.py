@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from tasks.common.config import require
 
@@ -54,6 +55,12 @@ class FitConfig:
     lbfgs_ftol: float = 1e-15
     lbfgs_gtol: float = 1e-11
     lbfgs_maxiter: int = 2000
+    # "batched": a damped Newton method over every start (and bootstrap replicate) at once in
+    # numpy, with the exact 5x5 Hessian; starts it does not certify as converged are finished by
+    # L-BFGS-B. "scipy": L-BFGS-B from every start, one at a time (~40 ms each; the reference).
+    optimizer: Literal["batched", "scipy"] = "batched"
+    # Iteration cap of the batched Newton method; starts still running then go to L-BFGS-B.
+    newton_maxiter: int = 300
 
     # Drop the k highest-loss runs before fitting (Epoch drops 5 on the Chinchilla points, which
     # are early/under-trained outliers); 0 for our own ladder. Excluded rows are reported.
@@ -99,6 +106,9 @@ class FitConfig:
                     f"must contain every value of {grid} {values}, got ({lo}, {hi})")
         require(self.lbfgs_ftol > 0, "lbfgs_ftol", f"must be > 0, got {self.lbfgs_ftol}")
         require(self.lbfgs_gtol > 0, "lbfgs_gtol", f"must be > 0, got {self.lbfgs_gtol}")
+        require(self.optimizer in ("batched", "scipy"), "optimizer",
+                f"must be 'batched' or 'scipy', got {self.optimizer!r}")
+        require(self.newton_maxiter >= 1, "newton_maxiter", f"must be >= 1, got {self.newton_maxiter}")
         require(self.lbfgs_maxiter >= 1, "lbfgs_maxiter", f"must be >= 1, got {self.lbfgs_maxiter}")
         require(self.exclude_top_loss >= 0, "exclude_top_loss", f"must be >= 0, got {self.exclude_top_loss}")
         require(self.min_points >= 1, "min_points", f"must be >= 1, got {self.min_points}")

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from tasks.scaling.chinchilla import (bootstrap_chinchilla, bootstrap_starts, fit_chinchilla,
-                                      grid_objective, huber_objective, initial_grid)
+                                      grid_objective, huber_objective, huber_objective_batched,
+                                      initial_grid, minimise_batched, minimise_starts)
 from tasks.scaling.config import FitConfig
 
 CFG = FitConfig(n_bootstrap=30, n_jobs=1, n_starts=16)
@@ -112,3 +113,83 @@ def test_rejects_bad_input(ladder):
         fit_chinchilla([1e8] * 6, [1e9] * 6, [3.0, 3.0, np.nan, 3.0, 3.0, 3.0], CFG)
     with pytest.raises(ValueError, match="needs at least 5 points"):
         fit_chinchilla([1e8] * 4, [1e9] * 4, [3.0] * 4, CFG)
+
+
+def _bootstrap_weights(n, k, seed=0):
+    return np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=k).astype(float)
+
+
+@pytest.mark.parametrize("delta", [1e-3, 1e-1], ids=["delta=1e-3(linear branch)", "delta=0.1(quadratic)"])
+def test_batched_objective_gradient_and_hessian(delta, ladder):
+    N, D, L = ladder(noise=0.02, n_sizes=7, n_tokens=9)  # 63 points
+    args = _logs(N, D, L)
+    thetas = np.array([[6.0, 7.5, 0.6, 0.33, 0.31], [4.0, 9.0, 0.2, 0.5, 0.2], [5.5, 6.0, 0.55, 0.3, 0.28]])
+    w = _bootstrap_weights(len(N), len(thetas), seed=2)
+    f, g, H = huber_objective_batched(thetas, *args, delta, w)
+    for k, theta in enumerate(thetas):
+        fk, gk = huber_objective(theta, *args, delta, w[k])
+        assert f[k] == pytest.approx(fk, rel=1e-12)
+        np.testing.assert_allclose(g[k], gk, rtol=1e-10, atol=1e-14 * max(1.0, abs(fk)))
+        num = np.empty((5, 5))
+        for j in range(5):
+            h = 1e-7 * max(1.0, abs(theta[j]))
+            tp, tm = theta.copy(), theta.copy()
+            tp[j] += h
+            tm[j] -= h
+            num[:, j] = (huber_objective(tp, *args, delta, w[k])[1] - huber_objective(tm, *args, delta, w[k])[1]) / (2 * h)
+        np.testing.assert_allclose(H[k], H[k].T, rtol=0, atol=1e-12 * np.abs(H[k]).max())
+        np.testing.assert_allclose(H[k], num, rtol=0, atol=1e-5 * np.abs(num).max())
+
+
+def test_batched_optimiser_lands_on_scipys_optimum(ladder):
+    """Bootstrap-weighted problems from the estimate and perturbed starts: the batched Newton
+    method certifies the same minima L-BFGS-B reaches, objectives equal within 1e-10."""
+    N, D, L = ladder(noise=0.02, seed=7, n_sizes=9, n_tokens=7)  # 63 points
+    log_n, log_d, log_loss = _logs(N, D, L)
+    fit = fit_chinchilla(N, D, L, FitConfig(n_starts=16, optimizer="scipy"))
+    starts = bootstrap_starts(fit.theta, log_n, log_d, 0.25)
+    w = np.repeat(_bootstrap_weights(len(N), 6, seed=3), len(starts), axis=0)
+    starts = np.tile(starts, (6, 1))
+    lo = np.array([-30.0, -30.0, -5.0, 0.0, 0.0])
+    hi = np.array([60.0, 60.0, 5.0, 5.0, 5.0])
+    th_b, f_b, ok_b = minimise_batched(starts, log_n, log_d, log_loss, 1e-3, w, lo, hi, 300)
+    assert ok_b.mean() > 0.9  # most rows certified without L-BFGS-B
+    th_s, f_s, ok_s = minimise_starts(starts, log_n, log_d, log_loss, FitConfig(optimizer="scipy"), weights=w)
+    assert ok_s.all()
+    for k in np.flatnonzero(ok_b):
+        # certified batched optima are never worse than L-BFGS-B's, and the same minimum
+        assert f_b[k] <= f_s[k] * (1 + 1e-10)
+        assert f_b[k] == pytest.approx(f_s[k], rel=1e-10)
+        np.testing.assert_allclose(th_b[k, 3:], th_s[k, 3:], atol=1e-4)  # alpha, beta
+        np.testing.assert_allclose(th_b[k, :3], th_s[k, :3], atol=2e-3)  # a, b, e (flatter)
+
+
+def test_batched_and_scipy_fits_agree(ladder):
+    N, D, L = ladder(noise=0.01, seed=5)
+    cfg_b = FitConfig(n_starts=16, n_bootstrap=20, n_jobs=1, optimizer="batched")
+    cfg_s = FitConfig(n_starts=16, n_bootstrap=20, n_jobs=1, optimizer="scipy")
+    fb, fs = fit_chinchilla(N, D, L, cfg_b), fit_chinchilla(N, D, L, cfg_s)
+    assert fb.converged and fs.converged
+    assert fb.objective <= fs.objective * (1 + 1e-10)
+    assert fb.objective == pytest.approx(fs.objective, rel=1e-10)
+    np.testing.assert_allclose(fb.theta[3:], fs.theta[3:], atol=1e-4)
+    bb, bs = bootstrap_chinchilla(N, D, L, cfg_b, fit=fs), bootstrap_chinchilla(N, D, L, cfg_s, fit=fs)
+    assert bb.n_failed == bs.n_failed == 0
+    np.testing.assert_allclose(bb.objectives, bs.objectives, rtol=1e-10)
+    np.testing.assert_allclose(bb.column("alpha"), bs.column("alpha"), atol=1e-4)
+    np.testing.assert_allclose(bb.column("beta"), bs.column("beta"), atol=1e-4)
+
+
+def test_batched_optimiser_hands_bound_solutions_to_lbfgs(ladder):
+    """A minimum on a bound is not certified by Newton; L-BFGS-B finishes it (the fit still ends there)."""
+    N, D, L = ladder(noise=0.0)
+    log_n, log_d, log_loss = _logs(N, D, L)
+    lo = np.array([-30.0, -30.0, -1.0, 0.0, 0.0])
+    hi = np.array([60.0, 60.0, 0.3, 2.0, 5.0])
+    starts = np.array([[6.0, 7.3, 0.2, 0.34, 0.30]])
+    _, _, ok = minimise_batched(starts, log_n, log_d, log_loss, 1e-3, None, lo, hi, 50)
+    assert not ok[0]
+    cfg = FitConfig(n_starts=1, bound_alpha=(0.0, 2.0), grid_alpha=(0.0, 0.5, 1.0), bound_e=(-1.0, 0.3),
+                    grid_e=(-1.0, 0.0))
+    th, _, _ = minimise_starts(starts, log_n, log_d, log_loss, cfg)
+    assert th[0, 2] == pytest.approx(0.3)

@@ -25,8 +25,7 @@ CHILD = textwrap.dedent("""
     import sys, time
     sys.path[:0] = [{root!r}, {here!r}]
     from training_fixtures import markov_tokens
-    from tasks.training.config import RePBConfig
-from tasks.training.loop import ladder, train_model
+    from tasks.training.loop import ladder, train_model
     from test_resume import resume_config
     data = markov_tokens(60_000)
     cfg = resume_config()
