@@ -245,8 +245,7 @@ def _tokenize(docs: list[str]) -> _Tokens:
     ids = np.fromiter(flat, dtype=np.int64, count=len(flat))
     words = list(vocab)
     wlen = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
-    starts = np.zeros(len(docs), dtype=np.int64)
-    np.cumsum(counts[:-1], out=starts[1:]) if len(docs) > 1 else None
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if len(docs) else np.zeros(0, np.int64)
     doc = np.repeat(np.arange(len(docs), dtype=np.int64), counts)
     return _Tokens(ids=ids, doc=doc, starts=starts, counts=counts, vocab=words, wlen=wlen)
 

@@ -27,7 +27,7 @@ def test_train_ladder_runs_on_two_ray_workers(prefect_harness, tmp_path: Path):
     save_tokens(tmp_path / "train.npy", rng.integers(0, 300, 20_000).astype(np.uint16))
     save_tokens(tmp_path / "val.npy", rng.integers(0, 300, 2_000).astype(np.uint16))
     cfg = TrainingConfig(
-        vocab_size=300, seq_len=32, batch_size=4, sizes={"a": ModelShape(d_model=32, n_layers=1, n_heads=2)},
+        vocab_size=300, seq_len=32, batch_size=4, sizes=(ModelShape(d_model=32, n_layers=1, n_heads=2),),
         token_budgets=(2_048, 4_096), eval_interval=8, eval_tokens=512, checkpoint_interval=0,
     )
     ctx = make_context(ROOT, preset="ci", workdir=tmp_path)

@@ -26,10 +26,11 @@ def test_demo_is_at_least_three_by_three_and_ci_is_small():
     demo = load_stage_config(TrainingConfig, ROOT, "training", "demo")
     ci = load_stage_config(TrainingConfig, ROOT, "training", "ci")
     assert len(demo.sizes) >= 3 and len(demo.token_budgets) >= 3
-    assert len(ci.sizes) * len(ci.token_budgets) <= 4
+    assert len(ci.sizes) * len(ci.token_budgets) <= 6
     assert max(s.d_model for s in ci.sizes) <= 64 and ci.seq_len <= 128
     # presets replace the size list whole (a mapping would be merged key by key)
-    assert len(ci.sizes) == 2
+    full = load_stage_config(TrainingConfig, ROOT, "training", "full")
+    assert min(s.d_model for s in full.sizes) > max(s.d_model for s in demo.sizes)
 
 
 @pytest.mark.parametrize("d_model, expected", [(32, 96), (64, 192), (96, 256), (100, 288), (768, 2048)])
