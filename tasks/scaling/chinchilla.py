@@ -146,17 +146,26 @@ def huber_objective_batched(thetas: np.ndarray, log_n: np.ndarray, log_d: np.nda
     return f, grad, hess
 
 
-def _newton_step(grad: np.ndarray, hess: np.ndarray, lam: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Damped Newton steps for a batch: ``(B, 5)`` steps, Newton decrements and PD flags.
+def _newton_step(grad: np.ndarray, hess: np.ndarray, lam: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Damped Newton steps for a batch: ``(B, 5)`` steps, Newton decrements, PD and finite flags.
 
     The Hessian is scaled to unit diagonal (``a`` and ``alpha`` differ in scale by ~log N), its
     eigenvalues replaced by ``|lambda_k| + lam`` (negative curvature flipped so the step always
     descends — Levenberg–Marquardt damping in the scaled space). The decrement
     ``g^T H^-1 g`` (undamped, meaningful only where ``pd``) is twice the predicted decrease.
     """
-    d = np.sqrt(np.maximum(np.abs(np.diagonal(hess, axis1=1, axis2=2)), 1e-300))
+    diag = np.abs(np.diagonal(hess, axis1=1, axis2=2))
+    # A relative floor: an (almost) zero diagonal beside large entries would overflow the scaling.
+    d = np.sqrt(np.maximum(diag, 1e-12 * diag.max(axis=1, keepdims=True) + 1e-300))
     hs = hess / (d[:, :, None] * d[:, None, :])
     gs = grad / d
+    # Rows whose Hessian or gradient is not finite (overflow far from the data) get no step and
+    # no PD flag: the caller stops them and hands them to L-BFGS-B. eigh would fail on them.
+    finite = np.isfinite(hs).all(axis=(1, 2)) & np.isfinite(gs).all(axis=1)
+    hs = np.where(finite[:, None, None], hs, np.eye(hess.shape[1]))
+    gs = np.where(finite[:, None], gs, 0.0)
+    d = np.where(finite[:, None], d, 1.0)
     ev, vec = np.linalg.eigh(hs)
     top = np.abs(ev).max(axis=1, keepdims=True)
     pd = ev.min(axis=1) > 1e-13 * top[:, 0]
@@ -164,7 +173,7 @@ def _newton_step(grad: np.ndarray, hess: np.ndarray, lam: np.ndarray) -> tuple[n
     gq = np.einsum("bji,bj->bi", vec, gs)
     step = -np.einsum("bij,bj->bi", vec, gq / (ev_abs + lam[:, None])) / d
     decrement = (gq**2 / ev_abs).sum(axis=1)
-    return step, decrement, pd
+    return step, decrement, pd & finite, finite
 
 
 def minimise_batched(starts: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_loss: np.ndarray,
@@ -196,7 +205,11 @@ def minimise_batched(starts: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, l
         idx = np.flatnonzero(running)
         if idx.size == 0:
             break
-        step, dec, pd = _newton_step(g[idx], h[idx], lam[idx])
+        step, dec, pd, finite = _newton_step(g[idx], h[idx], lam[idx])
+        running[idx[~finite]] = False  # overflowed: left to L-BFGS-B
+        idx, step, dec, pd = idx[finite], step[finite], dec[finite], pd[finite]
+        if idx.size == 0:
+            break
         interior = np.all((theta[idx] > lo + margin) & (theta[idx] < hi - margin), axis=1)
         # 1e-13 relative; the absolute floor covers exact fits (f* = 0)
         done = pd & interior & (dec <= 1e-13 * f[idx] + 1e-28 * wsum[idx])

@@ -193,3 +193,14 @@ def test_batched_optimiser_hands_bound_solutions_to_lbfgs(ladder):
                     grid_e=(-1.0, 0.0))
     th, _, _ = minimise_starts(starts, log_n, log_d, log_loss, cfg)
     assert th[0, 2] == pytest.approx(0.3)
+
+
+def test_newton_step_survives_non_finite_rows():
+    """A row whose Hessian overflowed gets no step and no PD flag instead of failing the batch."""
+    from tasks.scaling.chinchilla import _newton_step
+
+    good = np.eye(5) * 2.0
+    bad = np.full((5, 5), np.inf)
+    step, dec, pd, finite = _newton_step(np.ones((2, 5)), np.stack([good, bad]), np.zeros(2))
+    assert finite.tolist() == [True, False] and pd.tolist() == [True, False]
+    assert np.allclose(step[0], -0.5) and np.all(step[1] == 0)
