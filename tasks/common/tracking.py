@@ -41,7 +41,20 @@ def tracking_uri(root: str | Path) -> str:
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
-    return f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
+    return f"sqlite:///{main_tree(Path(root).resolve()) / 'mlflow.db'}"
+
+
+def main_tree(path: Path) -> Path:
+    """The repository a ``dvc exp run --temp``/``--queue`` copy was made from, else ``path`` itself.
+
+    DVC runs such experiments in ``<repo>/.dvc/tmp/exps/...``; runs logged there would vanish
+    with the copy, so they go to the main working tree's store.
+    """
+    parts = path.parts
+    for i in range(len(parts) - 2):
+        if parts[i : i + 3] == (".dvc", "tmp", "exps"):
+            return Path(*parts[:i])
+    return path
 
 
 def _client(uri: str):

@@ -34,3 +34,12 @@ def test_failure_marks_run_failed_with_error(uri: str):
     info = mlflow.MlflowClient(uri).get_run(run.run_id)
     assert info.info.status == "FAILED"
     assert "ZeroDivisionError" in info.data.tags["error"]
+
+
+def test_dvc_temp_experiments_log_to_the_main_tree(monkeypatch, tmp_path: Path):
+    from tasks.common.tracking import tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    copy = tmp_path / "repo" / ".dvc" / "tmp" / "exps" / "run" / "abc123"
+    assert tracking_uri(copy) == f"sqlite:///{tmp_path / 'repo' / 'mlflow.db'}"
+    assert tracking_uri(tmp_path / "repo") == f"sqlite:///{tmp_path / 'repo' / 'mlflow.db'}"
