@@ -67,7 +67,7 @@ def compress_flow(
     with stage_run(ctx, "compress", cfg) as run, atomic_dir(ctx.layout.compressed) as out:
         models = trained_models(ctx, cfg.models)
         jobs = [
-            dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m["variant"]))},
+            dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m))},
                  cfg=cfg, out_dir=str(out / m["variant"] / m["run"]), parent=run.ref())
             for m in models
         ]

@@ -26,8 +26,9 @@ def trained_models(ctx: Context, names: tuple[str, ...] = ()) -> list[dict]:
     return rows
 
 
-def tokens_path(ctx: Context, variant: str) -> Path:
-    return ctx.layout.tokens / f"{variant}.npy"
+def tokens_path(ctx: Context, model_row: dict) -> Path:
+    """The training tokens of a row of reports/train.csv: its data variant's (``raw`` for ``raw+repb``)."""
+    return ctx.layout.tokens / f"{model_row.get('data_variant') or model_row['variant']}.npy"
 
 
 def val_tokens_path(ctx: Context) -> Path:

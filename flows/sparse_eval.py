@@ -63,7 +63,7 @@ def sparse_eval_flow(
     with stage_run(ctx, "sparse_eval", cfg) as run:
         models = trained_models(ctx, cfg.models)
         jobs = [
-            dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m["variant"]))},
+            dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m))},
                  cfg=cfg, parent=run.ref())
             for m in models
         ]

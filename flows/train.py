@@ -24,6 +24,7 @@ from tasks.common.io import read_json, write_json, write_text
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.training.config import TrainingConfig
 from tasks.training.loop import RunSpec, ladder, train_model
+from tasks.training.repb import repb_arms
 from tasks.training.tokenizer import encode_corpus, load_tokens, save_tokens, train_tokenizer
 
 
@@ -80,12 +81,17 @@ def ensure_tokens(tokenizer, source: Path, target: Path, tokenizer_path: Path) -
 @task(name="train-point", retries=0, cache_policy=NO_CACHE)
 def train_point(
     variant: str, spec: RunSpec, cfg: TrainingConfig, train_path: str, val_path: str, out_dir: str,
-    parent: RunRef, preset: str, progress=None,
+    parent: RunRef, preset: str, data_variant: str | None = None, progress=None,
 ) -> dict:
-    """Train one (variant, N, D) point in its own MLflow child run; returns its row for reports/train.csv."""
+    """Train one (variant, N, D) point in its own MLflow child run; returns its row for reports/train.csv.
+
+    ``variant`` labels the series (``raw``, or ``raw+repb`` for the RePB arm); ``data_variant`` is
+    the curated corpus it trained on (default: ``variant``).
+    """
     params = {
-        "stage": "train", "variant": variant, "preset": preset, "run": spec.name,
+        "stage": "train", "variant": variant, "data_variant": data_variant or variant, "preset": preset, "run": spec.name,
         "n_params": spec.n_params, "tokens": spec.tokens, "arch": cfg.arch,
+        "data_pruning": "repb" if cfg.repb.enabled else "none",
         "d_model": spec.shape.d_model, "n_layers": spec.shape.n_layers, "n_heads": spec.shape.n_heads,
         "steps": spec.steps,
     }
@@ -107,7 +113,7 @@ def run_ladder(ctx: Context, cfg: TrainingConfig, jobs: list[dict], parent: RunR
     local = ctx.pipeline.runner == "local"
     with progress_bars(enabled=local) as bars:
         jobs = [
-            dict(job, cfg=cfg, parent=parent, preset=ctx.preset,
+            dict({"cfg": cfg} | job, parent=parent, preset=ctx.preset,
                  progress=bars.bar(f"{job['variant']}/{job['spec'].name}", job["spec"].steps) if local else None)
             for job in jobs
         ]
@@ -129,17 +135,24 @@ def train_flow(
         tokenizer = ensure_tokenizer(ctx, cfg)
         val_path = ensure_tokens(tokenizer, layout.prepared / "val.parquet", layout.tokens / "val.npy", layout.tokenizer)
         variants = curated_variants(layout.curated, cfg.variants)
+        not_trained = [v for v in cfg.repb.compare if v not in variants]
+        if not_trained:
+            raise ValueError(f"training.repb.compare names {not_trained[0]!r}, not among the trained variants {variants}")
         specs = ladder(cfg)
         jobs, keep_dirs = [], set()
         for variant in variants:
             train_path = ensure_tokens(tokenizer, layout.curated / variant / "kept.parquet",
                                        layout.tokens / f"{variant}.npy", layout.tokenizer)
             digest = file_digest(train_path, val_path)
-            for spec in specs:
-                # Keyed by what made it, so a changed config or corpus never reuses a stale result.
-                out_dir = layout.trained / variant / f"{spec.name}-{config_hash(cfg, spec, digest)}"
-                keep_dirs.add(out_dir)
-                jobs.append(dict(variant=variant, spec=spec, train_path=str(train_path), val_path=str(val_path), out_dir=str(out_dir)))
+            # A variant in training.repb.compare also trains pruned, reported as <variant>+repb.
+            for suffix, arm_cfg in repb_arms(cfg, variant):
+                label = variant + suffix
+                for spec in specs:
+                    # Keyed by what made it, so a changed config or corpus never reuses a stale result.
+                    out_dir = layout.trained / label / f"{spec.name}-{config_hash(arm_cfg, spec, digest)}"
+                    keep_dirs.add(out_dir)
+                    jobs.append(dict(variant=label, data_variant=variant, spec=spec, cfg=arm_cfg, train_path=str(train_path),
+                                     val_path=str(val_path), out_dir=str(out_dir)))
         rows = run_ladder(ctx, cfg, jobs, run.ref())
         for variant_dir in layout.trained.iterdir():
             for d in variant_dir.iterdir() if variant_dir.is_dir() else []:

@@ -81,6 +81,9 @@ class GeneratorConfig:
     ``gguf_file``; ``kind: openai`` posts to ``base_url`` with ``model``, reading the
     API key from the environment variable named ``api_key_env`` (never from params).
     ``temperature: 0`` is greedy decoding. Documents are cut to ``max_input_words``.
+    ``max_docs_per_run`` caps new generations per run over all rewrite steps together (None = no
+    cap; each step's own ``budget`` still applies): a small local model on CPU rewrites ~5
+    documents a minute, so a run spends a fixed budget and the next run resumes from the cache.
     """
 
     kind: Literal["local", "openai"] = "local"
@@ -96,6 +99,7 @@ class GeneratorConfig:
     max_input_words: int = 384
     min_words: int = 8
     timeout_s: float = 120.0
+    max_docs_per_run: int | None = None
 
     def __post_init__(self) -> None:
         require(self.kind != "openai" or bool(self.base_url), "base_url", "an openai generator needs base_url")
@@ -105,6 +109,8 @@ class GeneratorConfig:
         require(self.max_input_words > 0, "max_input_words", "must be positive")
         require(self.min_words >= 0, "min_words", "must be >= 0")
         require(self.timeout_s > 0, "timeout_s", "must be positive")
+        require(self.max_docs_per_run is None or self.max_docs_per_run >= 0, "max_docs_per_run",
+                "must be >= 0 or null (no cap)")
 
 
 def rewrite_messages(text: str, style: str, *, max_input_words: int = 384) -> Messages:
@@ -330,8 +336,9 @@ class DocumentRewriter:
     """
 
     def __init__(self, generator: Generator, *, previous: pl.DataFrame | None = None, batch_size: int = 4,
-                 max_input_words: int = 384, min_words: int = 8):
+                 max_input_words: int = 384, min_words: int = 8, max_docs_per_run: int | None = None):
         self.generator = generator
+        self.remaining = max_docs_per_run  # new generations this run may still spend (None = no cap)
         self.results = previous.select(list(REWRITE_SCHEMA)) if previous is not None else pl.DataFrame(schema=REWRITE_SCHEMA)
         self.batch_size = batch_size
         self.max_input_words = max_input_words
@@ -341,14 +348,19 @@ class DocumentRewriter:
     def from_config(cls, cfg: GeneratorConfig, *, previous: pl.DataFrame | None = None,
                     generator: Generator | None = None) -> "DocumentRewriter":
         return cls(generator or make_generator(cfg), previous=previous, batch_size=cfg.batch_size,
-                   max_input_words=cfg.max_input_words, min_words=cfg.min_words)
+                   max_input_words=cfg.max_input_words, min_words=cfg.min_words,
+                   max_docs_per_run=cfg.max_docs_per_run)
 
     def __call__(self, docs: pl.DataFrame, style: str, budget: int | None) -> pl.DataFrame:
         # Only successful rewrites count as done: failures are retried on a later run.
         done = self.results.filter((pl.col("style") == style) & pl.col("rewritten"))["id"]
+        if self.remaining is not None:
+            budget = self.remaining if budget is None else min(budget, self.remaining)
         new = rewrite_documents(docs, style, self.generator, done_ids=set(done.to_list()), budget=budget,
                                 batch_size=self.batch_size, max_input_words=self.max_input_words,
                                 min_words=self.min_words)
+        if self.remaining is not None:
+            self.remaining -= new.height
         keep_old = ~(self.results["id"].is_in(new["id"].implode()) & (self.results["style"] == style))
         self.results = pl.concat([self.results.filter(keep_old), new])
         return self.results.filter((pl.col("style") == style) & pl.col("id").is_in(docs["id"].implode()))

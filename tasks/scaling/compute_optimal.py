@@ -37,7 +37,8 @@ def optimal_allocation(E, A, B, alpha, beta, C) -> dict[str, np.ndarray]:
         log_d = -log_g + alpha / s * log_c6
         n_opt, d_opt = np.exp(log_n), np.exp(log_d)
         loss = E + A * np.exp(-alpha * log_n) + B * np.exp(-beta * log_d)
-    return {"N_opt": n_opt, "D_opt": d_opt, "tokens_per_param": np.exp(log_d - log_n), "loss_pred": loss}
+        ratio = np.exp(log_d - log_n)  # overflows to inf for a degenerate bootstrap replicate
+    return {"N_opt": n_opt, "D_opt": d_opt, "tokens_per_param": ratio, "loss_pred": loss}
 
 
 def compute_optimal_table(fit: ChinchillaFit, compute: Sequence[float],

@@ -60,7 +60,7 @@ class FitConfig:
     # L-BFGS-B. "scipy": L-BFGS-B from every start, one at a time (~40 ms each; the reference).
     optimizer: Literal["batched", "scipy"] = "batched"
     # Iteration cap of the batched Newton method; starts still running then go to L-BFGS-B.
-    newton_maxiter: int = 300
+    newton_maxiter: int = 1000
 
     # Drop the k highest-loss runs before fitting (Epoch drops 5 on the Chinchilla points, which
     # are early/under-trained outliers); 0 for our own ladder. Excluded rows are reported.

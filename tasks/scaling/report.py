@@ -82,6 +82,34 @@ def _finite(x: Any) -> Any:
     return x
 
 
+def _fit_and_bootstrap(N: np.ndarray, D: np.ndarray, L: np.ndarray, cfg: FitConfig):
+    fit = fit_chinchilla(N, D, L, cfg)
+    return fit, bootstrap_chinchilla(N, D, L, cfg, fit=fit)
+
+
+def fit_series(series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], cfg: FitConfig) -> dict:
+    """``{name: (ChinchillaFit, BootstrapResult)}`` for each ``name: (N, D, loss)``.
+
+    With several series and ``cfg.n_jobs > 1`` the series are spread over one pool of
+    ``n_jobs`` processes (each bootstrapping in its own process), rather than each bootstrap
+    starting a pool of its own: a pipeline fits a law per variant and per compression and
+    sparsity setting, and a pool per law cost more in start-up than the small ladders' fits.
+    Results do not depend on ``n_jobs`` (every bootstrap draws from ``cfg.bootstrap_seed``).
+    """
+    if cfg.n_jobs == 1 or len(series) < 2:
+        return {name: _fit_and_bootstrap(*arrays, cfg) for name, arrays in series.items()}
+    import dataclasses
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    inner = dataclasses.replace(cfg, n_jobs=1)
+    # spawn, not fork: the parent may hold polars/BLAS thread pools that fork would copy locked.
+    with ProcessPoolExecutor(max_workers=min(cfg.n_jobs, len(series)),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {name: pool.submit(_fit_and_bootstrap, *arrays, inner) for name, arrays in series.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
 def fit_points(points: pl.DataFrame, cfg: FitConfig) -> dict:
     """Fit every variant of ``points`` (columns N, D, loss[, variant]) and compare them.
 
@@ -92,16 +120,17 @@ def fit_points(points: pl.DataFrame, cfg: FitConfig) -> dict:
     frame = validate_points(points)
     variants: dict[str, dict] = {}
     boots = {}
+    series = {}
     for name in sorted(frame["variant"].unique().to_list()):
         sub = frame.filter(pl.col("variant") == name)
-        N, D, L = (sub[c].to_numpy() for c in REQUIRED_COLUMNS)
-        rows = sub["row"].to_numpy()
-        if len(N) < 5:
+        series[name] = tuple(sub[c].to_numpy() for c in (*REQUIRED_COLUMNS, "row"))
+    fitted = fit_series({k: v[:3] for k, v in series.items() if len(v[0]) >= 5}, cfg)
+    for name, (N, D, L, rows) in series.items():
+        if name not in fitted:
             variants[name] = {"n_points": len(N), "warnings": [
                 f"only {len(N)} points; Approach 3 has 5 parameters and is not fitted"]}
             continue
-        fit = fit_chinchilla(N, D, L, cfg)
-        boot = bootstrap_chinchilla(N, D, L, cfg, fit=fit)
+        fit, boot = fitted[name]
         boots[name] = boot
         entry: dict[str, Any] = {}
         for p in PARAM_NAMES:

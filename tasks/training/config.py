@@ -74,9 +74,15 @@ class RePBConfig:
     samples whose loss is back-propagated. ``prior``: pseudo-count of the selection-frequency
     estimate (a sample never seen before gets frequency ``keep_ratio``). ``weight_min``/``weight_max``
     clip the temporal rescaling weight ``keep_ratio / frequency``.
+
+    ``enabled`` prunes every run of the ladder. ``compare`` names data variants whose ladder is
+    instead trained twice, at equal optimizer steps, without and with RePB (the method's own
+    comparison); the pruned arm is reported as the variant ``<variant>+repb``, so the fit stage
+    gives it a law of its own and flags a reversal against the unpruned one.
     """
 
     enabled: bool = False
+    compare: tuple[str, ...] = ()
     window: int = 8
     keep_ratio: float = 0.7
     prior: float = 1.0
@@ -84,6 +90,9 @@ class RePBConfig:
     weight_max: float = 2.0
 
     def __post_init__(self) -> None:
+        require(not (self.enabled and self.compare), "repb.compare",
+                "set either enabled (prune every run) or compare (variants trained with and without RePB)")
+        require(len(set(self.compare)) == len(self.compare), "repb.compare", f"has duplicates: {self.compare}")
         require(self.window >= 1, "repb.window", f"must be >= 1, got {self.window}")
         require(0.0 < self.keep_ratio <= 1.0, "repb.keep_ratio", f"must be in (0, 1], got {self.keep_ratio}")
         require(self.prior > 0, "repb.prior", f"must be positive, got {self.prior}")

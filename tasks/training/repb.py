@@ -132,6 +132,23 @@ class RePBSelector:
         self.n_kept_total = int(scalars["n_kept_total"])
 
 
+def repb_arms(cfg, variant: str) -> list[tuple[str, Any]]:
+    """The training arms ``cfg`` asks for on ``variant``: ``[(label suffix, config)]``.
+
+    One arm (``""``, ``cfg``) unless ``variant`` is in ``cfg.repb.compare``; then the unpruned arm (``""``) and the
+    RePB arm (``"+repb"``), identical but for ``repb.enabled``, so both run the same batches for
+    the same number of optimizer steps. The unpruned arm's config equals a plain run's, so a
+    ladder trained before is reused rather than retrained.
+    """
+    import dataclasses
+
+    if variant not in cfg.repb.compare:
+        return [("", cfg)]
+    off = dataclasses.replace(cfg.repb, enabled=False, compare=())
+    return [("", dataclasses.replace(cfg, repb=off)),
+            ("+repb", dataclasses.replace(cfg, repb=dataclasses.replace(off, enabled=True)))]
+
+
 def compare_repb(spec, cfg, train_tokens: np.ndarray, val_tokens: np.ndarray, out_dir: str | Path,
                  **train_kwargs: Any) -> dict[str, Any]:
     """Train ``spec`` twice at equal optimizer steps, without and with RePB; return both results.
@@ -144,8 +161,8 @@ def compare_repb(spec, cfg, train_tokens: np.ndarray, val_tokens: np.ndarray, ou
     from tasks.training.loop import train_model
 
     out_dir = Path(out_dir)
-    base_cfg = dataclasses.replace(cfg, repb=dataclasses.replace(cfg.repb, enabled=False))
-    repb_cfg = dataclasses.replace(cfg, repb=dataclasses.replace(cfg.repb, enabled=True))
+    (_, base_cfg), (_, repb_cfg) = repb_arms(dataclasses.replace(
+        cfg, repb=dataclasses.replace(cfg.repb, enabled=False, compare=("this",))), "this")
     base = train_model(spec, base_cfg, train_tokens, val_tokens, out_dir / "baseline", **train_kwargs)
     pruned = train_model(spec, repb_cfg, train_tokens, val_tokens, out_dir / "repb", **train_kwargs)
     return {

@@ -39,7 +39,15 @@ def test_variants_are_trained_on_the_shared_ladder(ci_run):
     workdir, _ = ci_run
     train = pl.read_csv(workdir / "reports" / "train.csv")
     curation = pl.read_csv(workdir / "reports" / "curation.csv")
-    assert set(train["variant"]) == set(curation["variant"]) and len(set(train["variant"])) >= 2
+    assert set(train["data_variant"]) == set(curation["variant"]) and len(set(train["data_variant"])) >= 2
+    # The ci preset compares RePB on raw: a second series at the same (N, D) and optimizer steps.
+    assert set(train["variant"]) == set(curation["variant"]) | {"raw+repb"}
+    arms = train.filter(pl.col("data_variant") == "raw").sort("variant", "n_params", "tokens")
+    base, pruned = arms.filter(pl.col("variant") == "raw"), arms.filter(pl.col("variant") == "raw+repb")
+    assert base["steps"].to_list() == pruned["steps"].to_list() and set(pruned["data_pruning"]) == {"repb"}
+    # Not keep_ratio (0.7): the loss falls fast in these short runs, so the current batch scores below
+    # the window's older batches and fewer are kept; RePB assumes a near-constant model state.
+    assert pruned["repb_kept_frac"].is_between(0.05, 0.95).all() and base["repb_kept_frac"].is_null().all()
     # Every variant sees the same (N, D) grid and is scored on the same held-out split.
     grids = {v: set(zip(g["n_params"], g["tokens"])) for (v,), g in train.group_by("variant")}
     assert len({frozenset(g) for g in grids.values()}) == 1
@@ -69,6 +77,9 @@ def test_fits_json_has_a_law_per_variant(ci_run):
         assert v in variants
         for key in ("E", "A", "B", "alpha", "beta"):
             assert {"value", "ci_low", "ci_high"} <= set(variants[v][key])
+    # RePB's arm is compared with the unpruned ladder across compute, like any two variants.
+    pair = [c for c in fits["comparisons"] if {c["x"], c["y"]} == {"raw", "raw+repb"}]
+    assert len(pair) == 1 and isinstance(pair[0]["reversal"], bool)
 
 
 def test_mlflow_has_finished_runs_for_all_stages(ci_run):

@@ -85,6 +85,20 @@ def test_budget_and_resume():
     assert res.filter(pl.col("rewritten"))["id"].to_list() == ["d0", "d3", "d4", "d5"]
 
 
+def test_per_run_cap_spans_every_step_and_resumes():
+    gen = FakeGenerator()
+    rw = DocumentRewriter(gen, batch_size=8, min_words=2, max_docs_per_run=4)
+    first = rw(DOCS, "hq", None)  # no step budget: the run's cap of 4 applies
+    second = rw(DOCS, "qa", 10)  # the cap is shared: nothing left for the second style
+    assert first.height == 4 and second.height == 0 and rw.remaining == 0
+    resumed = DocumentRewriter(gen, previous=rw.results, batch_size=8, min_words=2, max_docs_per_run=4)
+    done_before = set(first.filter(pl.col("rewritten"))["id"])
+    again = resumed(DOCS, "hq", None)  # the next run goes on where the cache stops
+    # 4 generations: the two failures of the first run retried, then d4 and d5; d0 and d3 kept.
+    assert set(again["id"]) - set(first["id"]) == {"d4", "d5"} and done_before == {"d0", "d3"}
+    assert resumed.remaining == 0 and again.filter(pl.col("id").is_in(list(done_before)))["rewritten"].all()
+
+
 def _tiny_llama():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast

@@ -7,7 +7,8 @@ from training_fixtures import markov_tokens, tiny_config
 
 from tasks.training.config import RePBConfig
 from tasks.training.loop import ladder
-from tasks.training.repb import RePBSelector, compare_repb
+from tasks.training.loop import run_fingerprint
+from tasks.training.repb import RePBSelector, compare_repb, repb_arms
 
 
 def test_keeps_top_fraction_of_the_window():
@@ -78,3 +79,25 @@ def test_compare_at_equal_steps(tmp_path):
     assert pruned.val_loss != base.val_loss  # the pruning changed the updates...
     assert pruned.val_loss < pruned.history[0][1]  # ...and the pruned run still learns
     assert out["delta_val_loss"] == pytest.approx(pruned.val_loss - base.val_loss)
+
+
+def test_arms_differ_only_in_pruning_and_reuse_the_plain_run():
+    plain = tiny_config()
+    assert repb_arms(plain, "raw") == [("", plain)]
+    cfg = tiny_config(repb=RePBConfig(compare=("raw",), keep_ratio=0.5))
+    assert repb_arms(cfg, "c4") == [("", cfg)]  # not compared: one arm, as configured
+    (base_suffix, base), (repb_suffix, pruned) = repb_arms(cfg, "raw")
+    assert (base_suffix, repb_suffix) == ("", "+repb")
+    assert not base.repb.enabled and pruned.repb.enabled and pruned.repb.keep_ratio == 0.5
+    assert not base.repb.compare and not pruned.repb.compare
+    spec = ladder(cfg)[0]
+    # The unpruned arm is the same run as one trained without compare: its result is reused.
+    assert run_fingerprint(spec, base) == run_fingerprint(spec, tiny_config(repb=RePBConfig(keep_ratio=0.5)))
+    assert run_fingerprint(spec, pruned) != run_fingerprint(spec, base)
+
+
+def test_enabled_and_compare_are_exclusive():
+    with pytest.raises(ValueError, match="repb.compare"):
+        RePBConfig(enabled=True, compare=("raw",))
+    with pytest.raises(ValueError, match="duplicates"):
+        RePBConfig(compare=("raw", "raw"))
