@@ -59,7 +59,7 @@ def curate_flow(
         with atomic_dir(layout.curated) as out:
             for variant in cfg.active:
                 recipe = cfg.variants[variant]
-                with stage_run(ctx.with_parent(run.ref()), f"curate:{variant}", variant=variant,
+                with stage_run(ctx.with_parent(run.ref()), "curate", run_name=f"curate:{variant}", variant=variant,
                                recipe=[s.kind for s in recipe.steps]) as child:
                     try:
                         result = run_recipe(docs, recipe, rewriter=rewriter)

@@ -64,7 +64,8 @@ def fit_flow(
         for variant, fit in report.get("variants", {}).items():
             if not isinstance(fit, dict) or "alpha" not in fit:
                 continue
-            with stage_run(ctx.with_parent(run.ref()), f"fit:{variant}", variant=variant, method="chinchilla_approach3") as child:
+            with stage_run(ctx.with_parent(run.ref()), "fit", run_name=f"fit:{variant}", variant=variant,
+                           method="chinchilla_approach3") as child:
                 child.log_metrics(
                     {k: fit[k]["value"] for k in ("E", "A", "B", "alpha", "beta") if isinstance(fit.get(k), dict)}
                     | {f"{k}_ci_low": fit[k]["ci_low"] for k in ("alpha", "beta") if isinstance(fit.get(k), dict)}

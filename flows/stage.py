@@ -41,13 +41,18 @@ def stage_context(
 
 
 @contextlib.contextmanager
-def stage_run(ctx: Context, stage: str, cfg: Any | None = None, **params: Any) -> Iterator[TrackedRun]:
-    """The stage's MLflow run (a child of the pipeline run when there is one), with its resolved config."""
+def stage_run(ctx: Context, stage: str, cfg: Any | None = None, *, run_name: str | None = None,
+              **params: Any) -> Iterator[TrackedRun]:
+    """The stage's MLflow run (a child of the pipeline run when there is one), with its resolved config.
+
+    A per-item child (one curated variant, one fitted law) passes ``run_name`` (``curate:raw``) and
+    keeps ``stage``, so ``params.stage = 'curate'`` finds the stage's runs at every level.
+    """
     logged = {"stage": stage, "preset": ctx.preset, **params}
     if cfg is not None:
         logged[stage] = to_dict(cfg)
     with tracked_run(
-        stage,
+        run_name or stage,
         uri=ctx.tracking_uri,
         experiment=ctx.experiment,
         parent=ctx.parent,

@@ -181,6 +181,11 @@ def compute_optimal_frame(report: dict) -> pl.DataFrame:
     return pl.DataFrame(records, schema=schema).select(cols)
 
 
+def _file_safe(name: str) -> str:
+    """A series name as a file name: ``raw+teal@0.5`` -> ``raw_teal_0.5``."""
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+
+
 def _save(fig, path: Path) -> Path:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
@@ -194,7 +199,8 @@ def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path,
 
     Plots: ``loss_vs_compute_<variant>.png`` (runs and fitted iso-N curves),
     ``isoflop_<variant>.png`` (per-level parabolas and minima, where IsoFLOP levels exist) and
-    ``frontier.png`` (projected loss at the compute-optimal allocation per variant, with intervals).
+    ``frontier.png`` (projected loss at the compute-optimal allocation per data variant, with
+    intervals) and ``frontier_<variant>.png`` (that variant beside its ``<variant>+<setting>`` series).
     """
     import matplotlib
 
@@ -211,7 +217,7 @@ def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path,
     for name, entry in report["variants"].items():
         if "alpha" not in entry:
             continue
-        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+        safe = _file_safe(name)
         sub = frame.filter(pl.col("variant") == name)
         N, D, L = (sub[c].to_numpy() for c in REQUIRED_COLUMNS)
         p = {k: entry[k]["value"] for k in PARAM_NAMES}
@@ -246,21 +252,26 @@ def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path,
             written.append(_save(fig, out / f"isoflop_{safe}.png"))
             plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name, entry in report["variants"].items():
-        rows = entry.get("compute_optimal") or []
-        if not rows:
-            continue
-        C = np.array([r["C"] for r in rows])
-        y = np.array([r["loss_pred"] for r in rows], dtype=float)
-        line, = ax.plot(C, y, marker="o", ms=3, label=name)
-        lo = np.array([np.nan if r["loss_pred_ci_low"] is None else r["loss_pred_ci_low"] for r in rows], dtype=float)
-        hi = np.array([np.nan if r["loss_pred_ci_high"] is None else r["loss_pred_ci_high"] for r in rows], dtype=float)
-        if np.isfinite(lo).any():
-            ax.fill_between(C, lo, hi, color=line.get_color(), alpha=0.2)
-    ax.set(xscale="log", xlabel="compute C (FLOPs)", ylabel="loss at N*(C), D*(C)",
-           title="compute-optimal frontier")
-    ax.legend()
-    written.append(_save(fig, out / "frontier.png"))
-    plt.close(fig)
+    # frontier.png compares the data variants (names without '+'); frontier_<variant>.png compares
+    # one variant with its compressed / sparse / RePB series (<variant>+<setting>).
+    fitted = [n for n, e in report["variants"].items() if e.get("compute_optimal")]
+    groups = {"": [n for n in fitted if "+" not in n] or fitted}
+    for base in sorted({n.split("+")[0] for n in fitted if "+" in n}):
+        groups[base] = [n for n in fitted if n == base or n.startswith(base + "+")]
+    for base, names in groups.items():
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for name in names:
+            rows = report["variants"][name]["compute_optimal"]
+            C = np.array([r["C"] for r in rows])
+            y = np.array([r["loss_pred"] for r in rows], dtype=float)
+            line, = ax.plot(C, y, marker="o", ms=3, label=name)
+            lo = np.array([np.nan if r["loss_pred_ci_low"] is None else r["loss_pred_ci_low"] for r in rows], dtype=float)
+            hi = np.array([np.nan if r["loss_pred_ci_high"] is None else r["loss_pred_ci_high"] for r in rows], dtype=float)
+            if np.isfinite(lo).any():
+                ax.fill_between(C, lo, hi, color=line.get_color(), alpha=0.15)
+        ax.set(xscale="log", xlabel="compute C (FLOPs)", ylabel="loss at N*(C), D*(C)",
+               title=f"compute-optimal frontier{': ' + base if base else ''}")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+        written.append(_save(fig, out / (f"frontier_{_file_safe(base)}.png" if base else "frontier.png")))
+        plt.close(fig)
     return written

@@ -71,3 +71,18 @@ def test_single_variant_defaults_to_all(ladder):
                         FitConfig(n_bootstrap=0, n_starts=8, compute_budgets=(1e20,)))
     assert list(report["variants"]) == ["all"] and report["comparisons"] == []
     assert report["variants"]["all"]["alpha"]["ci_low"] is None
+
+
+def test_pool_of_laws_matches_serial_and_groups_frontiers(ladder, tmp_path):
+    import dataclasses
+
+    points = _points(ladder).with_columns(
+        pl.col("variant").replace({"dedup": "base+rtn_w4"}))  # a compressed series of `base`
+    serial = fit_points(points, CFG)
+    pooled = fit_points(points, dataclasses.replace(CFG, n_jobs=2))  # one process per law
+    for name in ("base", "base+rtn_w4"):
+        for p in ("E", "A", "B", "alpha", "beta"):
+            assert pooled["variants"][name][p] == serial["variants"][name][p], (name, p)
+    names = {p.name for p in write_fit_report(pooled, points, tmp_path)}
+    # frontier.png: data variants only; frontier_base.png: base beside its compressed series
+    assert {"frontier.png", "frontier_base.png"} <= names
