@@ -18,7 +18,7 @@ from prefect import flow
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import ConfigError, from_mapping, load_yaml
 from tasks.common.io import atomic_dir, write_json, write_parquet
-from tasks.curation.recipes import CurationConfig, run_recipe
+from tasks.curation.recipes import CurationConfig, FilterCache, run_recipe
 from tasks.curation.rewrite import DocumentRewriter
 
 
@@ -56,13 +56,14 @@ def curate_flow(
         if any(cfg.variants[v].needs_rewriter for v in cfg.active):
             previous = pl.read_parquet(cache_dir / "rewrites.parquet") if (cache_dir / "rewrites.parquet").exists() else None
             rewriter = DocumentRewriter.from_config(cfg.rewrite, previous=previous)
+        filter_cache = FilterCache()  # variants sharing a filter judge each text once
         with atomic_dir(layout.curated) as out:
             for variant in cfg.active:
                 recipe = cfg.variants[variant]
                 with stage_run(ctx.with_parent(run.ref()), "curate", run_name=f"curate:{variant}", variant=variant,
                                recipe=[s.kind for s in recipe.steps]) as child:
                     try:
-                        result = run_recipe(docs, recipe, rewriter=rewriter)
+                        result = run_recipe(docs, recipe, rewriter=rewriter, filter_cache=filter_cache)
                     finally:
                         if rewriter is not None:  # keep finished generations even if the step failed
                             write_parquet(cache_dir / "rewrites.parquet", rewriter.results)

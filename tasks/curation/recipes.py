@@ -294,12 +294,47 @@ def mix_rewritten(
     return out.filter(~drop_s), _dropped(out.filter(drop_s), "mix.over_ratio"), stats
 
 
+class FilterCache:
+    """Decisions of heuristic filters, remembered by (filter, settings, text) across recipes.
+
+    A filter is a pure function of one document's text, so variants that share a filter
+    (``gopher`` and ``dedup_gopher``; ``c4`` and ``dedup_gopher_c4`` in ``full``) need each
+    distinct text judged once per setting. Pass one cache to every :func:`run_recipe` of a run.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, Any], pl.DataFrame] = {}
+
+    def apply(self, kind: str, cfg: Any, texts: pl.Series):
+        """``FILTERS[kind]`` on ``texts``; only texts this cache has not judged are computed."""
+        from tasks.curation.filters import FilterResult
+
+        _cfg_cls, fn = FILTERS[kind]
+        key = (kind, cfg)
+        frame = pl.DataFrame({"text": texts.cast(pl.Utf8)})
+        known = self._seen.get(key)
+        todo = frame.unique("text", maintain_order=True)
+        if known is not None:
+            todo = todo.join(known.select("text"), on="text", how="anti", nulls_equal=True)
+        if todo.height:
+            res = fn(todo["text"], cfg)
+            new = todo.with_columns(res.reasons.cast(pl.Utf8).alias("reason"),
+                                    (res.texts.cast(pl.Utf8) if res.texts is not None
+                                     else pl.Series([None] * todo.height, dtype=pl.Utf8)).alias("edited"),
+                                    pl.lit(res.texts is not None).alias("edits"))
+            known = new if known is None else pl.concat([known, new])
+            self._seen[key] = known
+        out = frame.join(known, on="text", how="left", maintain_order="left", nulls_equal=True)
+        return FilterResult(reasons=out["reason"], texts=out["edited"] if known["edits"].any() else None)
+
+
 def apply_step(
     docs: pl.DataFrame,
     s: Any,
     *,
     rewriter: Callable[[pl.DataFrame, str, int | None], pl.DataFrame] | None = None,
     token_count: TokenCount = whitespace_words,
+    filter_cache: FilterCache | None = None,
 ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
     """Apply one :class:`Step` to a working frame; returns ``(kept, dropped, step_stats)``.
 
@@ -341,7 +376,7 @@ def apply_step(
         info.update(mix_stats)
     else:
         _cfg_cls, fn = FILTERS[kind]
-        result = fn(docs["text"], cfg)
+        result = filter_cache.apply(kind, cfg, docs["text"]) if filter_cache is not None else fn(docs["text"], cfg)
         reasons = result.reasons.cast(pl.Utf8)
         edited = docs
         if result.texts is not None:
@@ -392,6 +427,7 @@ def run_recipe(
     *,
     rewriter: Callable[[pl.DataFrame, str, int | None], pl.DataFrame] | None = None,
     token_count: TokenCount = whitespace_words,
+    filter_cache: FilterCache | None = None,
 ) -> CurationResult:
     """Apply ``recipe`` to ``docs`` (columns ``id``, ``text``; ``source``/``url``/``title`` optional).
 
@@ -399,7 +435,8 @@ def run_recipe(
     and stats: ``docs_in/kept/dropped``, ``words_in/kept`` (whitespace words),
     ``tokens_in/kept`` (by ``token_count``; default whitespace words),
     ``dropped_by_reason`` and per-step ``steps`` (docs in/out, rewrite and mix details).
-    Ids must be unique.
+    Ids must be unique. ``filter_cache`` (a :class:`FilterCache` shared by the recipes of one
+    run) reuses filter decisions already made on the same texts; results are the same.
 
     >>> res = run_recipe(prepared.train, cfg.recipe("dedup_gopher"))
     """
@@ -408,7 +445,8 @@ def run_recipe(
     dropped_parts = []
     steps = []
     for s in recipe.steps:
-        work, dropped, info = apply_step(work, s, rewriter=rewriter, token_count=token_count)
+        work, dropped, info = apply_step(work, s, rewriter=rewriter, token_count=token_count,
+                                         filter_cache=filter_cache)
         dropped_parts.append(dropped)
         steps.append(info)
     kept = finalize(work)

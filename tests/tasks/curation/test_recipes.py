@@ -10,6 +10,7 @@ from tasks.common.params import PRESETS, load_stage_config
 from tasks.curation.recipes import (
     CurationConfig,
     DROPPED_SCHEMA,
+    FilterCache,
     KEPT_SCHEMA,
     Recipe,
     Step,
@@ -143,3 +144,25 @@ def test_params_file_loads(preset):
     else:
         assert len(cfg.active) >= 12 and cfg.rewrite.max_docs_per_run is None
     assert all(k in step_kinds() for v in cfg.variants.values() for k in (s.kind for s in v.steps))
+
+
+def test_filter_cache_gives_the_same_result_and_judges_each_text_once(monkeypatch):
+    from tasks.curation import filters as F
+
+    judged = []
+    fn = F.FILTERS["gopher_quality"][1]
+    cls = F.FILTERS["gopher_quality"][0]
+    monkeypatch.setitem(F.FILTERS, "gopher_quality", (cls, lambda t, c: judged.extend(t.to_list()) or fn(t, c)))
+    docs = corpus()
+    gopher = Recipe(steps=(step("gopher_quality"), step("c4_quality")))
+    dedup_gopher = Recipe(steps=(step("exact_dedup"), step("gopher_quality"), step("c4_quality")))
+    cache = FilterCache()
+    for recipe in (gopher, dedup_gopher):
+        plain, cached = run_recipe(docs, recipe), run_recipe(docs, recipe, filter_cache=cache)
+        assert plain.kept.equals(cached.kept) and plain.dropped.equals(cached.dropped)
+        assert plain.stats == cached.stats
+    # plain runs judged 8 + 6 texts; the cache judged the 6 distinct texts once, for both recipes
+    assert len(judged) == 8 + 6 + 6 and len(set(judged[-6:])) == 6
+    # C4 edits text (line removal): the cached edit is what a kept document carries
+    edited = cached.kept.filter(pl.col("id") == "doc4")["text"][0]
+    assert "cookie" not in edited
