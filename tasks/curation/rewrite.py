@@ -327,6 +327,29 @@ def rewrite_documents(
     return pl.DataFrame(rows, schema=REWRITE_SCHEMA)
 
 
+class LazyGenerator:
+    """A generator built on first use: a run whose rewrites are all cached (or whose per-run
+    cap is 0) never loads the model (~30-40 s for SmolLM2 on CPU)."""
+
+    def __init__(self, make: Callable[[], Generator]):
+        self._make = make
+        self._generator: Generator | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._generator is not None
+
+    def load(self) -> Generator:
+        """Build the generator now; a load failure (a missing model) raises here, so it fails the
+        step instead of being recorded as a failed generation per document."""
+        if self._generator is None:
+            self._generator = self._make()
+        return self._generator
+
+    def generate(self, conversations: Sequence[Messages]) -> list[str]:
+        return self.load().generate(conversations)
+
+
 class DocumentRewriter:
     """The ``rewriter`` a recipe's rewrite step calls: ``rewriter(docs, style, budget) -> frame``.
 
@@ -347,7 +370,7 @@ class DocumentRewriter:
     @classmethod
     def from_config(cls, cfg: GeneratorConfig, *, previous: pl.DataFrame | None = None,
                     generator: Generator | None = None) -> "DocumentRewriter":
-        return cls(generator or make_generator(cfg), previous=previous, batch_size=cfg.batch_size,
+        return cls(generator or LazyGenerator(lambda: make_generator(cfg)), previous=previous, batch_size=cfg.batch_size,
                    max_input_words=cfg.max_input_words, min_words=cfg.min_words,
                    max_docs_per_run=cfg.max_docs_per_run)
 
@@ -356,6 +379,8 @@ class DocumentRewriter:
         done = self.results.filter((pl.col("style") == style) & pl.col("rewritten"))["id"]
         if self.remaining is not None:
             budget = self.remaining if budget is None else min(budget, self.remaining)
+        if isinstance(self.generator, LazyGenerator) and budget != 0 and not docs["id"].is_in(done.implode()).all():
+            self.generator.load()
         new = rewrite_documents(docs, style, self.generator, done_ids=set(done.to_list()), budget=budget,
                                 batch_size=self.batch_size, max_input_words=self.max_input_words,
                                 min_words=self.min_words)

@@ -99,6 +99,23 @@ def test_per_run_cap_spans_every_step_and_resumes():
     assert resumed.remaining == 0 and again.filter(pl.col("id").is_in(list(done_before)))["rewritten"].all()
 
 
+def test_model_loads_only_when_something_is_left_to_rewrite():
+    from tasks.curation.rewrite import GeneratorConfig, LazyGenerator
+
+    made = []
+    rw = DocumentRewriter(LazyGenerator(lambda: made.append(1) or FakeGenerator()), batch_size=8, min_words=2,
+                          max_docs_per_run=0)
+    assert rw(DOCS, "hq", None).height == 0 and not made  # cap spent: the model is never built
+    rw.remaining = None
+    rw(DOCS, "hq", None)
+    assert made == [1]
+    resumed = DocumentRewriter.from_config(GeneratorConfig(model_dir="/nonexistent/model"), previous=rw.results)
+    done = rw.results.filter(pl.col("rewritten"))["id"]
+    assert resumed(DOCS.filter(pl.col("id").is_in(done.implode())), "hq", None).height == len(done)  # all cached
+    with pytest.raises(Exception, match="nonexistent"):  # a missing model fails the step, loudly
+        resumed(DOCS, "hq", None)
+
+
 def _tiny_llama():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
