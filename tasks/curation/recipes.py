@@ -37,7 +37,7 @@ import polars as pl
 
 from tasks.common.config import require
 from tasks.curation.dedup import MinHashConfig, exact_duplicates, minhash_duplicates
-from tasks.curation.filters import FILTERS
+from tasks.curation.filters import FILTERS, FilterResult
 from tasks.curation.rewrite import STYLES, GeneratorConfig
 
 #: Columns of a kept frame: the document columns plus ``rewrite`` (the style, or null for original text).
@@ -307,8 +307,6 @@ class FilterCache:
 
     def apply(self, kind: str, cfg: Any, texts: pl.Series):
         """``FILTERS[kind]`` on ``texts``; only texts this cache has not judged are computed."""
-        from tasks.curation.filters import FilterResult
-
         _cfg_cls, fn = FILTERS[kind]
         key = (kind, cfg)
         frame = pl.DataFrame({"text": texts.cast(pl.Utf8)})

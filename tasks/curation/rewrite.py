@@ -266,6 +266,25 @@ def _check_generation(text: str, min_words: int) -> tuple[str | None, str | None
     return text, None
 
 
+class LazyGenerator:
+    """A generator built on first use: a run whose rewrites are all cached (or whose per-run
+    cap is 0) never loads the model (~30-40 s for SmolLM2 on CPU)."""
+
+    def __init__(self, make: Callable[[], Generator]):
+        self._make = make
+        self._generator: Generator | None = None
+
+    def load(self) -> Generator:
+        """Build the generator now; a load failure (a missing model) raises here, so it fails the
+        step instead of being recorded as a failed generation per document."""
+        if self._generator is None:
+            self._generator = self._make()
+        return self._generator
+
+    def generate(self, conversations: Sequence[Messages]) -> list[str]:
+        return self.load().generate(conversations)
+
+
 def rewrite_documents(
     docs: pl.DataFrame,
     style: str,
@@ -285,7 +304,8 @@ def rewrite_documents(
     rewrite, or the original where the generation failed (``rewritten`` false,
     ``error`` saying why: ``empty_generation``, ``too_short(...)``, or
     ``generator_error: ...``). A batch that raises is retried one document at a
-    time, so one bad request does not fail its neighbours.
+    time, so one bad request does not fail its neighbours. A :class:`LazyGenerator` is loaded
+    only when there is a document to generate.
     """
     require(style in PROMPTS, "style", f"unknown style {style!r}; choose from {list(STYLES)}")
     require(budget is None or budget >= 0, "budget", "must be >= 0 or None")
@@ -295,6 +315,8 @@ def rewrite_documents(
     if budget is not None:
         todo = todo.head(budget)
     ids, texts = todo["id"].to_list(), todo["text"].to_list()
+    if ids and isinstance(generator, LazyGenerator):
+        generator.load()  # outside the per-document handling below: a missing model fails the call
     rows: dict[str, list] = {k: [] for k in REWRITE_SCHEMA}
 
     def emit(doc_id: str, original: str, generated: str | None, error: str | None) -> None:
@@ -327,29 +349,6 @@ def rewrite_documents(
     return pl.DataFrame(rows, schema=REWRITE_SCHEMA)
 
 
-class LazyGenerator:
-    """A generator built on first use: a run whose rewrites are all cached (or whose per-run
-    cap is 0) never loads the model (~30-40 s for SmolLM2 on CPU)."""
-
-    def __init__(self, make: Callable[[], Generator]):
-        self._make = make
-        self._generator: Generator | None = None
-
-    @property
-    def loaded(self) -> bool:
-        return self._generator is not None
-
-    def load(self) -> Generator:
-        """Build the generator now; a load failure (a missing model) raises here, so it fails the
-        step instead of being recorded as a failed generation per document."""
-        if self._generator is None:
-            self._generator = self._make()
-        return self._generator
-
-    def generate(self, conversations: Sequence[Messages]) -> list[str]:
-        return self.load().generate(conversations)
-
-
 class DocumentRewriter:
     """The ``rewriter`` a recipe's rewrite step calls: ``rewriter(docs, style, budget) -> frame``.
 
@@ -379,8 +378,6 @@ class DocumentRewriter:
         done = self.results.filter((pl.col("style") == style) & pl.col("rewritten"))["id"]
         if self.remaining is not None:
             budget = self.remaining if budget is None else min(budget, self.remaining)
-        if isinstance(self.generator, LazyGenerator) and budget != 0 and not docs["id"].is_in(done.implode()).all():
-            self.generator.load()
         new = rewrite_documents(docs, style, self.generator, done_ids=set(done.to_list()), budget=budget,
                                 batch_size=self.batch_size, max_input_words=self.max_input_words,
                                 min_words=self.min_words)

@@ -215,7 +215,6 @@ def minimise_batched(starts: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, l
         # Newton on the free coordinates: held rows/columns become identity with zero gradient.
         free = ~held
         h_face = np.where(free[:, :, None] & free[:, None, :], h[idx], 0.0)
-        h_face[held] = 0.0
         h_face[:, np.arange(5), np.arange(5)] += held
         step, dec, pd, finite = _newton_step(np.where(held, 0.0, gi), h_face, lam[idx])
         running[idx[~finite]] = False  # overflowed: left to L-BFGS-B

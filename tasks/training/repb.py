@@ -28,6 +28,7 @@ update sees, not in compute; a second forward on the kept subset would trade one
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from pathlib import Path
@@ -140,13 +141,17 @@ def repb_arms(cfg, variant: str) -> list[tuple[str, Any]]:
     the same number of optimizer steps. The unpruned arm's config equals a plain run's, so a
     ladder trained before is reused rather than retrained.
     """
-    import dataclasses
-
     if variant not in cfg.repb.compare:
         return [("", cfg)]
+    unpruned, pruned = _unpruned_and_pruned(cfg)
+    return [("", unpruned), ("+repb", pruned)]
+
+
+def _unpruned_and_pruned(cfg):
+    """``cfg`` without and with RePB, otherwise identical (``compare`` cleared in both)."""
     off = dataclasses.replace(cfg.repb, enabled=False, compare=())
-    return [("", dataclasses.replace(cfg, repb=off)),
-            ("+repb", dataclasses.replace(cfg, repb=dataclasses.replace(off, enabled=True)))]
+    return (dataclasses.replace(cfg, repb=off),
+            dataclasses.replace(cfg, repb=dataclasses.replace(off, enabled=True)))
 
 
 def compare_repb(spec, cfg, train_tokens: np.ndarray, val_tokens: np.ndarray, out_dir: str | Path,
@@ -156,13 +161,10 @@ def compare_repb(spec, cfg, train_tokens: np.ndarray, val_tokens: np.ndarray, ou
     Returns ``{"baseline": TrainResult, "repb": TrainResult, "delta_val_loss": repb - baseline,
     "kept_fraction": float}``. Runs go to ``out_dir/baseline`` and ``out_dir/repb``.
     """
-    import dataclasses
-
     from tasks.training.loop import train_model
 
     out_dir = Path(out_dir)
-    (_, base_cfg), (_, repb_cfg) = repb_arms(dataclasses.replace(
-        cfg, repb=dataclasses.replace(cfg.repb, enabled=False, compare=("this",))), "this")
+    base_cfg, repb_cfg = _unpruned_and_pruned(cfg)
     base = train_model(spec, base_cfg, train_tokens, val_tokens, out_dir / "baseline", **train_kwargs)
     pruned = train_model(spec, repb_cfg, train_tokens, val_tokens, out_dir / "repb", **train_kwargs)
     return {
