@@ -314,8 +314,10 @@ class ChinchillaFit:
 
     ``objective`` is the Huber sum at the optimum; ``rmse_log`` the RMSE of log-loss residuals.
     ``excluded`` lists dropped input rows (index into the arrays given) with the reason;
-    ``local_optima`` (k, 5) holds the best distinct optima L-BFGS-B reached from the starts
-    (theta order, best first; up to 4) — a diagnostic of how many basins the grid found.
+    ``local_optima`` (k, 5) holds the best distinct optima the optimiser reached from the starts
+    (theta order, best first; up to 4) — a diagnostic of how many basins the grid found —
+    with their objectives ``local_optima_objectives`` (k,) and ``local_optima_starts`` (k,),
+    the number of starts that ended in each.
     """
 
     E: float
@@ -333,6 +335,8 @@ class ChinchillaFit:
     excluded: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     local_optima: np.ndarray = field(default_factory=lambda: np.empty((0, 5)))
+    local_optima_objectives: np.ndarray = field(default_factory=lambda: np.empty(0))
+    local_optima_starts: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=int))
 
     def predict(self, N, D) -> np.ndarray:
         """Loss at (N, D); arrays broadcast."""
@@ -348,9 +352,15 @@ class ChinchillaFit:
 class BootstrapResult:
     """A bootstrap over runs of an Approach-3 fit.
 
-    ``samples`` (n_ok, 5): columns E, A, B, alpha, beta of each successful replicate;
-    ``intervals``: percentile interval at ``confidence`` for those and for the derived
-    ``a_exp = beta/(alpha+beta)`` (N* ∝ C^a_exp), ``b_exp = alpha/(alpha+beta)`` and ``G``.
+    ``samples`` (n_requested, 5): columns E, A, B, alpha, beta of replicate i in row i, NaN where
+    the replicate failed, so row i is the same resample for every law fitted on the same
+    ladder (see :func:`resample_keys`); ``objectives`` (n_requested,) likewise.
+    ``intervals``: percentile interval at ``confidence`` over the finite rows, for those and for
+    the derived ``a_exp = beta/(alpha+beta)`` (N* ∝ C^a_exp), ``b_exp = alpha/(alpha+beta)``
+    and ``G``. ``keys`` (K, 2) are the distinct (N, D) runs resampled, sorted; ``counts``
+    (n_requested, K) their multiplicities per replicate; ``n_redrawn`` how many draws were
+    rejected as degenerate; ``at_bound`` (n_requested, 5) whether each theta coordinate
+    ended on its box bound.
     """
 
     point: ChinchillaFit
@@ -362,9 +372,17 @@ class BootstrapResult:
     n_failed: int
     warnings: list[str] = field(default_factory=list)
     n_basin_switch: int = 0
+    keys: np.ndarray = field(default_factory=lambda: np.empty((0, 2)))
+    counts: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=int))
+    n_redrawn: int = 0
+    at_bound: np.ndarray = field(default_factory=lambda: np.empty((0, 5), dtype=bool))
 
     def column(self, name: str) -> np.ndarray:
         return self.samples[:, PARAM_NAMES.index(name)]
+
+    @property
+    def n_ok(self) -> int:
+        return int(np.isfinite(self.objectives).sum())
 
 
 def theta_to_params(theta: np.ndarray) -> np.ndarray:
@@ -408,18 +426,26 @@ def select_points(loss: np.ndarray, cfg: FitConfig) -> tuple[np.ndarray, list[di
     return keep, excluded
 
 
-def _distinct(thetas: np.ndarray, objectives: np.ndarray, k: int) -> np.ndarray:
-    """Up to ``k`` best distinct optima (differing by > 1e-3 in some coordinate), best first."""
+def _distinct(thetas: np.ndarray, objectives: np.ndarray, k: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Up to ``k`` best distinct optima (differing by > 1e-3 in some coordinate), best first.
+
+    Returns their thetas (m, 5), objectives (m,) and how many of the given optima lie within
+    1e-3 of each (m,), i.e. how many starts ended in that basin.
+    """
     order = np.argsort(objectives)
-    chosen: list[np.ndarray] = []
+    chosen: list[int] = []
     for i in order:
         if not np.isfinite(objectives[i]):
             continue
-        if all(np.max(np.abs(thetas[i] - c)) > 1e-3 for c in chosen):
-            chosen.append(thetas[i])
+        if all(np.max(np.abs(thetas[i] - thetas[c])) > 1e-3 for c in chosen):
+            chosen.append(int(i))
         if len(chosen) >= k:
             break
-    return np.array(chosen).reshape(-1, 5)
+    basins = thetas[chosen].reshape(-1, 5)
+    finite = np.isfinite(objectives)
+    starts = np.array([int((np.max(np.abs(thetas[finite] - b), axis=1) <= 1e-3).sum()) for b in basins], dtype=int)
+    return basins, objectives[chosen].astype(float), starts
 
 
 def _fit_warnings(theta: np.ndarray, N: np.ndarray, loss: np.ndarray, cfg: FitConfig) -> list[str]:
@@ -472,12 +498,13 @@ def fit_chinchilla(N, D, loss, cfg: FitConfig) -> ChinchillaFit:
     if not ok[best]:
         warnings.append("the optimiser did not report convergence at the best start")
     E, A, B, alpha, beta = theta_to_params(theta)
+    basins, basin_objs, basin_starts = _distinct(thetas, objs, 4)
     return ChinchillaFit(
         E=float(E), A=float(A), B=float(B), alpha=float(alpha), beta=float(beta), theta=theta.copy(),
         objective=float(objs[best]), rmse_log=float(np.sqrt(np.mean(resid**2))), n_points=int(len(Nk)),
         n_decades_n=float(np.log10(Nk.max() / Nk.min())), n_starts=n_starts, converged=bool(ok[best]),
         excluded=excluded, warnings=warnings,
-        local_optima=_distinct(thetas, objs, 4),
+        local_optima=basins, local_optima_objectives=basin_objs, local_optima_starts=basin_starts,
     )
 
 
@@ -505,12 +532,92 @@ def bootstrap_starts(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, sp
     return np.array(out)
 
 
-def _bootstrap_chunk(log_n, log_d, log_loss, counts, starts, cfg: FitConfig):
-    """Refit for each row of ``counts`` (multiplicities of each run) from every start.
+def run_keys(N: np.ndarray, D: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (N, D) runs, sorted (K, 2), and each row's key index (n,).
 
-    Returns thetas (k, 5), objectives (k,) and the index of the winning start (k,).
+    Rows sharing (N, D) — repeated seeds of one run, or one run's loss read twice — are one unit
+    of the bootstrap: resampling them separately would treat correlated rows as independent.
     """
-    k, S = len(counts), len(starts)
+    keys, inverse = np.unique(np.stack([np.asarray(N, float), np.asarray(D, float)], axis=1),
+                              axis=0, return_inverse=True)
+    return keys, np.asarray(inverse).ravel()
+
+
+def resample_keys(keys: np.ndarray, n_replicates: int, seed: int, *, min_distinct_n: int = 2,
+                  min_distinct_d: int = 2, min_distinct_points: int = 5, max_draws: int = 1000
+                  ) -> tuple[np.ndarray, int, np.ndarray]:
+    """Bootstrap multiplicities of the sorted run keys (K, 2): ``counts`` (n_replicates, K).
+
+    Replicate i draws ``multinomial(K, 1/K)`` from ``np.random.default_rng([seed, i])`` until
+    the drawn keys hold at least ``min_distinct_n`` distinct N, ``min_distinct_d`` distinct D and
+    ``min_distinct_points`` distinct keys (thresholds capped at what ``keys`` itself holds), so
+    replicate i is a function of (seed, i, keys) alone: two laws fitted on the same ladder get
+    the same resample in replicate i (common random numbers, which pair their differences).
+    Returns ``counts``, the number of rejected (redrawn) draws, and ``failed`` (n_replicates,)
+    where ``max_draws`` draws all degenerated (counts left 0).
+    """
+    K = len(keys)
+    n_idx = np.unique(keys[:, 0], return_inverse=True)[1].ravel()
+    d_idx = np.unique(keys[:, 1], return_inverse=True)[1].ravel()
+    need_n = min(min_distinct_n, int(n_idx.max(initial=-1)) + 1)
+    need_d = min(min_distinct_d, int(d_idx.max(initial=-1)) + 1)
+    need_p = min(min_distinct_points, K)
+    counts = np.zeros((n_replicates, K), dtype=np.int64)
+    failed = np.zeros(n_replicates, dtype=bool)
+    n_redrawn = 0
+    if K == 0:
+        return counts, 0, ~failed
+    p = np.full(K, 1.0 / K)
+    for i in range(n_replicates):
+        rng = np.random.default_rng([seed, i])
+        for _ in range(max_draws):
+            c = rng.multinomial(K, p)
+            used = c > 0
+            if (used.sum() >= need_p and len(np.unique(n_idx[used])) >= need_n
+                    and len(np.unique(d_idx[used])) >= need_d):
+                counts[i] = c
+                break
+            n_redrawn += 1
+        else:
+            failed[i] = True
+    return counts, n_redrawn, failed
+
+
+def bootstrap_grid_starts(grid: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_loss: np.ndarray,
+                          delta: float, weights: np.ndarray, k: int, chunk: int = 512) -> np.ndarray:
+    """The ``k`` best grid points (G, 5) on each replicate's weighted objective: (R, k, 5).
+
+    The per-point Huber terms at the grid do not depend on the weights, so every replicate's
+    ranking is one (G, n) @ (n, R) product instead of R passes over the grid.
+    """
+    G, R = len(grid), len(weights)
+    k = min(k, G)
+    if k == 0 or R == 0:
+        return np.empty((R, 0, 5))
+    wt = np.asarray(weights, dtype=float).T  # (n, R)
+    f = np.empty((G, R))
+    for lo in range(0, G, chunk):
+        th = grid[lo:lo + chunk]
+        a, b, e, alpha, beta = (th[:, j:j + 1] for j in range(5))
+        t1 = a - alpha * log_n
+        t2 = b - beta * log_d
+        m = np.maximum(np.maximum(t1, t2), e)
+        r = m + np.log(np.exp(t1 - m) + np.exp(t2 - m) + np.exp(e - m)) - log_loss
+        psi = np.clip(r, -delta, delta)
+        f[lo:lo + chunk] = (psi * (r - 0.5 * psi)) @ wt
+    best = np.argpartition(f, k - 1, axis=0)[:k] if k < G else np.tile(np.arange(G)[:, None], (1, R))
+    order = np.argsort(np.take_along_axis(f, best, axis=0), axis=0, kind="stable")
+    best = np.take_along_axis(best, order, axis=0)  # (k, R), best first
+    return grid[best.T]
+
+
+def _bootstrap_chunk(log_n, log_d, log_loss, weights, starts, cfg: FitConfig):
+    """Refit for each row of ``weights`` (k, n) (run multiplicities) from its starts (k, S, 5).
+
+    Returns thetas (k, 5), objectives (k,) and the index of the winning start (k,); rows whose
+    every start failed stay NaN (and -1).
+    """
+    k, S = starts.shape[:2]
     thetas = np.full((k, 5), np.nan)
     objs = np.full(k, np.nan)
     winner = np.full(k, -1)
@@ -518,8 +625,8 @@ def _bootstrap_chunk(log_n, log_d, log_loss, counts, starts, cfg: FitConfig):
     # keep the batched optimiser's (rows, points) buffers near 4 MB each
     per_batch = max(1, 2000 // S)
     for lo_r in range(0, k, per_batch):
-        c = counts[lo_r:lo_r + per_batch].astype(float)
-        th, f, _ = minimise_starts(np.tile(starts, (len(c), 1)), log_n, log_d, log_loss, cfg,
+        c = weights[lo_r:lo_r + per_batch].astype(float)
+        th, f, _ = minimise_starts(starts[lo_r:lo_r + per_batch].reshape(-1, 5), log_n, log_d, log_loss, cfg,
                                    weights=np.repeat(c, S, axis=0))
         th, f = th.reshape(len(c), S, 5), f.reshape(len(c), S)
         for j in range(len(c)):
@@ -556,57 +663,84 @@ def percentile_interval(x: np.ndarray, confidence: float) -> tuple[float, float]
     return (float(lo), float(hi))
 
 
-def bootstrap_chinchilla(N, D, loss, cfg: FitConfig, *, fit: ChinchillaFit | None = None) -> BootstrapResult:
-    """Percentile intervals by resampling runs with replacement (``cfg.n_bootstrap`` replicates).
+def at_bound(thetas: np.ndarray, cfg: FitConfig) -> np.ndarray:
+    """Whether each coordinate of ``thetas`` (..., 5) lies on its box bound (within 1e-6 of the box)."""
+    lo_b = np.array([b[0] for b in _bounds(cfg)])
+    hi_b = np.array([b[1] for b in _bounds(cfg)])
+    tol = 1e-6 * (hi_b - lo_b)
+    thetas = np.asarray(thetas, dtype=float)
+    return (thetas <= lo_b + tol) | (thetas >= hi_b - tol)
 
-    Each replicate is refitted (with ``cfg.optimizer``, all replicates x starts of a chunk in one
-    batch) from the point estimate and the 4 corners of a small grid around it
-    (:func:`bootstrap_starts`), keeping the lowest objective. Replicates are
-    drawn as multinomial run multiplicities, all in this process from ``cfg.bootstrap_seed``, so
-    results do not depend on ``cfg.n_jobs``; they are split over ``cfg.n_jobs`` processes.
-    ``n_basin_switch`` in the result counts replicates won by a start other than the estimate.
+
+def bootstrap_chinchilla(N, D, loss, cfg: FitConfig, *, fit: ChinchillaFit | None = None) -> BootstrapResult:
+    """Percentile intervals by resampling runs with replacement (``cfg.n_bootstrap`` replicates),
+    the interval method of Epoch AI's replication of Hoffmann et al. (2022) Approach 3.
+
+    The unit resampled is a distinct (N, D) run (:func:`run_keys`); replicate i's multiplicities
+    come from :func:`resample_keys` (seeded by ``(cfg.bootstrap_seed, i)``, degenerate draws —
+    too few distinct N, D or points — redrawn and counted in ``n_redrawn``). Each replicate is
+    refitted (with ``cfg.optimizer``, all replicates x starts of a chunk in one batch) from the
+    point estimate, the 4 corners of a small grid around it (:func:`bootstrap_starts`) and the
+    ``cfg.bootstrap_n_starts`` best initial-grid points on that replicate's own objective
+    (:func:`bootstrap_grid_starts`), keeping the lowest objective. Replicates are split over
+    ``cfg.n_jobs`` processes; results do not depend on it. ``n_basin_switch`` counts replicates
+    won by a start other than the estimate. Failed replicates stay as NaN rows.
     """
     N, D, loss = _as_arrays(N, D, loss)
     if fit is None:
         fit = fit_chinchilla(N, D, loss, cfg)
     keep, _ = select_points(loss, cfg)
     log_n, log_d, log_loss = np.log(N[keep]), np.log(D[keep]), np.log(loss[keep])
-    n = len(log_n)
-    rng = np.random.default_rng(cfg.bootstrap_seed)
-    counts = rng.multinomial(n, np.full(n, 1.0 / n), size=cfg.n_bootstrap)
-    starts = bootstrap_starts(fit.theta, log_n, log_d, cfg.bootstrap_start_spread)
-    n_jobs = max(1, min(cfg.n_jobs, cfg.n_bootstrap))
-    if cfg.n_bootstrap == 0:
-        thetas, objs, winner = np.empty((0, 5)), np.empty(0), np.empty(0, dtype=int)
+    keys, inverse = run_keys(N[keep], D[keep])
+    counts, n_redrawn, degenerate = resample_keys(
+        keys, cfg.n_bootstrap, cfg.bootstrap_seed, min_distinct_n=cfg.bootstrap_min_distinct_n,
+        min_distinct_d=cfg.bootstrap_min_distinct_d, min_distinct_points=cfg.bootstrap_min_distinct_points)
+    weights = counts[:, inverse]  # (R, n): every row of a run carries the run's multiplicity
+    local = bootstrap_starts(fit.theta, log_n, log_d, cfg.bootstrap_start_spread)
+    todo = np.flatnonzero(~degenerate)
+    grid_starts = bootstrap_grid_starts(initial_grid(cfg), log_n, log_d, log_loss, cfg.huber_delta,
+                                        weights[todo], cfg.bootstrap_n_starts)
+    starts = np.concatenate([np.broadcast_to(local, (len(todo), *local.shape)), grid_starts], axis=1)
+    thetas = np.full((cfg.n_bootstrap, 5), np.nan)
+    objs = np.full(cfg.n_bootstrap, np.nan)
+    winner = np.full(cfg.n_bootstrap, -1)
+    n_jobs = max(1, min(cfg.n_jobs, len(todo)))
+    if len(todo) == 0:
+        parts = []
     elif n_jobs == 1:
-        thetas, objs, winner = _bootstrap_chunk(log_n, log_d, log_loss, counts, starts, cfg)
+        parts = [_bootstrap_chunk(log_n, log_d, log_loss, weights[todo], starts, cfg)]
     else:
-        chunks = np.array_split(counts, n_jobs * 4)
+        pieces = np.array_split(np.arange(len(todo)), n_jobs * 4)
         # spawn, not fork: the parent may hold polars/BLAS thread pools that fork would copy locked.
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=n_jobs, mp_context=ctx) as pool:
-            parts = list(pool.map(_bootstrap_chunk, *zip(*[(log_n, log_d, log_loss, c, starts, cfg)
-                                                           for c in chunks])))
-        thetas = np.concatenate([p[0] for p in parts])
-        objs = np.concatenate([p[1] for p in parts])
-        winner = np.concatenate([p[2] for p in parts])
+            parts = list(pool.map(_bootstrap_chunk, *zip(*[(log_n, log_d, log_loss, weights[todo[p]], starts[p], cfg)
+                                                           for p in pieces])))
+    if parts:
+        thetas[todo] = np.concatenate([p[0] for p in parts])
+        objs[todo] = np.concatenate([p[1] for p in parts])
+        winner[todo] = np.concatenate([p[2] for p in parts])
     ok = np.isfinite(objs)
-    samples = theta_to_params(thetas[ok])
+    samples = theta_to_params(thetas)  # NaN rows stay NaN
     intervals = {name: percentile_interval(samples[:, k], cfg.confidence) for k, name in enumerate(PARAM_NAMES)}
     for name, values in derived_samples(samples).items():
         intervals[name] = percentile_interval(values, cfg.confidence)
     warnings = []
     n_failed = int((~ok).sum())
     if n_failed:
-        warnings.append(f"{n_failed} of {cfg.n_bootstrap} bootstrap replicates failed to fit")
-    if cfg.n_bootstrap and len(samples):
-        lo_b = np.array([b[0] for b in _bounds(cfg)])
-        hi_b = np.array([b[1] for b in _bounds(cfg)])
-        tol = 1e-6 * (hi_b - lo_b)
-        at_bound = ((thetas[ok] <= lo_b + tol) | (thetas[ok] >= hi_b - tol)).mean(axis=0)
-        for name, frac in zip(THETA_NAMES, at_bound):
+        warnings.append(f"{n_failed} of {cfg.n_bootstrap} bootstrap replicates failed to fit "
+                        f"({int(degenerate.sum())} could not be drawn non-degenerate); kept as missing rows")
+    n_keys_n, n_keys_d = len(np.unique(keys[:, 0])), len(np.unique(keys[:, 1]))
+    if cfg.n_bootstrap and (n_keys_n < cfg.bootstrap_min_distinct_n or n_keys_d < cfg.bootstrap_min_distinct_d
+                            or len(keys) < cfg.bootstrap_min_distinct_points):
+        warnings.append(f"the data hold {n_keys_n} distinct N, {n_keys_d} distinct D and {len(keys)} distinct runs, "
+                        "below the bootstrap's minimums; replicates were required to match the data instead")
+    bound = at_bound(thetas, cfg) & ok[:, None]
+    if cfg.n_bootstrap and ok.any():
+        for name, frac in zip(THETA_NAMES, bound[ok].mean(axis=0)):
             if frac > 0:
                 warnings.append(f"{name} is at its bound in {100 * frac:.1f}% of bootstrap replicates")
-    return BootstrapResult(point=fit, samples=samples, objectives=objs[ok], confidence=cfg.confidence,
+    return BootstrapResult(point=fit, samples=samples, objectives=objs, confidence=cfg.confidence,
                            intervals=intervals, n_requested=cfg.n_bootstrap, n_failed=n_failed,
-                           warnings=warnings, n_basin_switch=int((winner[ok] > 0).sum()))
+                           warnings=warnings, n_basin_switch=int((winner[ok] > 0).sum()),
+                           keys=keys, counts=counts, n_redrawn=n_redrawn, at_bound=bound)

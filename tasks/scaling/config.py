@@ -42,6 +42,16 @@ class FitConfig:
     # grid around it: alpha and beta scaled by (1 -/+ spread), with a and b shifted so each term
     # keeps its value at the mean log N / log D. 0 uses the point estimate only.
     bootstrap_start_spread: float = 0.25
+    # Each replicate also starts from the `bootstrap_n_starts` best points of the initial grid
+    # ranked on that replicate's own weighted objective, so a replicate whose optimum lies in
+    # another basin than the point estimate's can still reach it. 0: the starts above only.
+    bootstrap_n_starts: int = 8
+    # The bootstrap resamples distinct (N, D) runs; a replicate with fewer distinct N, D or
+    # (N, D) points than these is redrawn (counted as `n_redrawn`): a law on one model size
+    # cannot separate A/N^alpha from E and is no sample of the estimator's spread.
+    bootstrap_min_distinct_n: int = 2
+    bootstrap_min_distinct_d: int = 2
+    bootstrap_min_distinct_points: int = 5
 
     # Box bounds of L-BFGS-B on (a, b, e, alpha, beta); a fit that ends on one is warned about.
     bound_a: tuple[float, float] = (-30.0, 60.0)
@@ -70,6 +80,27 @@ class FitConfig:
     # N spanning less than this many decades: alpha and beta are nearly unidentifiable; warn.
     min_n_decades: float = 1.0
 
+    # Which parameter count is N: "total" (embeddings included, as Hoffmann et al. and Epoch) or
+    # "non_embedding" (Kaplan et al. 2020). Read from reports/train.csv's n_params_total /
+    # n_params_nonembed; reports without them fall back to their n_params.
+    n_definition: Literal["total", "non_embedding"] = "total"
+    # Runs trained for more passes over their variant's tokens than this are left out (repeated
+    # data changes the law, Muennighoff et al. 2023); None keeps every run.
+    max_epochs: float | None = 1.0
+
+    # Identification: a law is reported as identified, and compared with others, only when no
+    # parameter of (E, alpha, beta) is at a bound, alpha's and beta's intervals are narrower than
+    # `max_ci_width`, |corr(alpha, beta)| over the bootstrap is at most `max_abs_rho_alpha_beta`,
+    # and the backtest's median relative error is at most `max_backtest_rel_error`.
+    max_ci_width: float = 0.4
+    max_abs_rho_alpha_beta: float = 0.9
+    max_backtest_rel_error: float = 0.03
+    # Backtest: refit without the largest compute level, predict it; intervals from this many
+    # bootstrap replicates of the training part (0: no interval).
+    backtest_bootstrap: int = 200
+    # Point refits at these Huber deltas show how much E, alpha, beta depend on the loss's choice.
+    huber_delta_sensitivity: tuple[float, ...] = (1e-4, 1e-3, 1e-2)
+
     # IsoFLOP (Approach 2): runs whose log10(6ND) lie within this many decades of a level's
     # first run share the level; a level needs >= 3 distinct N for a parabola.
     isoflop_log10_tolerance: float = 0.1
@@ -78,9 +109,9 @@ class FitConfig:
     # Compute budgets (FLOPs) at which the compute-optimal allocation is projected and variants
     # are compared.
     compute_budgets: tuple[float, ...] = (1e18, 1e19, 1e20, 1e21, 1e22, 1e23, 1e24)
-    # A reversal between two variants is flagged only when the `reversal_confidence` bootstrap
-    # interval of their loss difference excludes 0 at both ends of `compute_budgets`, with
-    # opposite signs.
+    # "x better than y at C" and reversals are called at family-wise level 1 - reversal_confidence
+    # (Holm 1979 over every pair x budget, and over pairs for reversals); budgets outside the
+    # measured compute range of both ladders are reported but not tested.
     reversal_confidence: float = 0.95
 
     def __post_init__(self) -> None:
@@ -110,6 +141,23 @@ class FitConfig:
                 f"must be 'batched' or 'scipy', got {self.optimizer!r}")
         require(self.newton_maxiter >= 1, "newton_maxiter", f"must be >= 1, got {self.newton_maxiter}")
         require(self.lbfgs_maxiter >= 1, "lbfgs_maxiter", f"must be >= 1, got {self.lbfgs_maxiter}")
+        require(self.bootstrap_n_starts >= 0, "bootstrap_n_starts",
+                f"must be >= 0, got {self.bootstrap_n_starts}")
+        for name, least in (("bootstrap_min_distinct_n", 1), ("bootstrap_min_distinct_d", 1),
+                            ("bootstrap_min_distinct_points", 1)):
+            require(getattr(self, name) >= least, name, f"must be >= {least}, got {getattr(self, name)}")
+        require(self.n_definition in ("total", "non_embedding"), "n_definition",
+                f"must be 'total' or 'non_embedding', got {self.n_definition!r}")
+        require(self.max_epochs is None or self.max_epochs > 0, "max_epochs",
+                f"must be > 0 or null, got {self.max_epochs}")
+        require(self.max_ci_width > 0, "max_ci_width", f"must be > 0, got {self.max_ci_width}")
+        require(0 < self.max_abs_rho_alpha_beta <= 1, "max_abs_rho_alpha_beta",
+                f"must be in (0, 1], got {self.max_abs_rho_alpha_beta}")
+        require(self.max_backtest_rel_error > 0, "max_backtest_rel_error",
+                f"must be > 0, got {self.max_backtest_rel_error}")
+        require(self.backtest_bootstrap >= 0, "backtest_bootstrap", f"must be >= 0, got {self.backtest_bootstrap}")
+        require(all(d > 0 and math.isfinite(d) for d in self.huber_delta_sensitivity), "huber_delta_sensitivity",
+                f"must be positive finite deltas, got {self.huber_delta_sensitivity}")
         require(self.exclude_top_loss >= 0, "exclude_top_loss", f"must be >= 0, got {self.exclude_top_loss}")
         require(self.min_points >= 1, "min_points", f"must be >= 1, got {self.min_points}")
         require(self.min_n_decades >= 0, "min_n_decades", f"must be >= 0, got {self.min_n_decades}")
