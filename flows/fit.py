@@ -5,6 +5,7 @@ Run: ``scalelab run fit [--preset ci]`` (reads reports/{train,compress,sparse_ev
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
@@ -12,37 +13,83 @@ from prefect import flow
 
 from flows.stage import stage_context, stage_run
 from tasks.scaling.config import FitConfig
-from tasks.scaling.report import fit_points, write_fit_report
+from tasks.scaling.report import exclude_runs, fit_points, write_fit_report
+
+# N by params' n_definition, from train.csv; reports written before these columns existed have
+# only n_params (non-embedding), which is used instead and named in fits.json.
+N_COLUMNS = {"total": "n_params_total", "non_embedding": "n_params_nonembed"}
+# train.csv columns carried to every law's points (when present)
+RUN_COLUMNS = ("run", "C", "epochs", "diverged", "compute_budget")
 
 
-def gather_points(reports: Path) -> pl.DataFrame:
+@dataclass
+class GatheredPoints:
+    """The runs to fit (columns variant, N, D, loss[, run, C, compute_budget]), the runs left out
+    with their reason, and the train.csv column N was read from."""
+
+    points: pl.DataFrame
+    excluded_runs: list[dict] = field(default_factory=list)
+    n_column: str = "n_params"
+
+
+def _train_runs(t: pl.DataFrame, n_definition: str) -> tuple[pl.DataFrame, str]:
+    n_column = N_COLUMNS[n_definition] if N_COLUMNS[n_definition] in t.columns else "n_params"
+    cols = [pl.col("variant").cast(pl.String), pl.col(n_column).cast(pl.Float64).alias("N"),
+            pl.col("tokens").cast(pl.Float64).alias("D"), pl.col("val_loss").cast(pl.Float64).alias("loss")]
+    if "run" in t.columns:
+        cols.append(pl.col("run").cast(pl.String))
+    if "flops_total" in t.columns:
+        cols.append(pl.col("flops_total").cast(pl.Float64).alias("C"))
+    if "epochs" in t.columns:
+        cols.append(pl.col("epochs").cast(pl.Float64))
+    if "diverged" in t.columns:
+        d = pl.col("diverged")
+        cols.append((d.cast(pl.String).str.to_lowercase().is_in(["true", "1"]) if t.schema["diverged"] != pl.Boolean
+                     else d).alias("diverged"))
+    if "compute_budget" in t.columns:
+        cols.append(pl.col("compute_budget").cast(pl.Float64))
+    return t.select(cols), n_column
+
+
+def gather_points(reports: Path, cfg: FitConfig = FitConfig()) -> GatheredPoints:
     """Every measured (N, D, loss) as one frame with a ``variant`` label per law to fit.
 
     Trained models are labelled by their data variant; compressed and sparse evaluations by
     ``<variant>+<setting>`` (e.g. ``raw+rtn_w4_g32``, ``raw+teal@0.5``) so each gets its own law.
+    Those evaluations are joined to train.csv on (variant, run) for the trained model's N, C,
+    epochs, divergence and compute budget (their own n_params / tokens where no run matches).
+    Runs that diverged, ran over ``cfg.max_epochs`` epochs or have no loss are left out and
+    listed with their reason (:func:`tasks.scaling.report.exclude_runs`).
     """
-    frames = []
     train = reports / "train.csv"
     if not train.exists():
         raise FileNotFoundError(f"{train}: no training results to fit; run `scalelab run train` first")
-    t = pl.read_csv(train)
-    frames.append(t.select(pl.col("variant"), pl.col("n_params").alias("N"), pl.col("tokens").alias("D"), pl.col("val_loss").alias("loss")))
+    runs, n_column = _train_runs(pl.read_csv(train), cfg.n_definition)
+    frames = [runs]
     for name in ("compress", "sparse_eval"):
         path = reports / f"{name}.csv"
-        if path.exists() and path.stat().st_size > 0:
-            c = pl.read_csv(path)
-            if c.height:
-                frames.append(
-                    c.select(
-                        (pl.col("variant") + "+" + pl.col("setting")).alias("variant"),
-                        pl.col("n_params").alias("N"),
-                        pl.col("tokens").alias("D"),
-                        pl.col("val_loss").alias("loss"),
-                    )
-                )
-    return pl.concat(frames, how="vertical_relaxed").with_columns(
-        pl.col("N").cast(pl.Float64), pl.col("D").cast(pl.Float64), pl.col("loss").cast(pl.Float64)
-    )
+        if not (path.exists() and path.stat().st_size > 0):
+            continue
+        c = pl.read_csv(path)
+        if not c.height:
+            continue
+        own = c.select(pl.col("variant").cast(pl.String), pl.col("setting").cast(pl.String),
+                       *([pl.col("run").cast(pl.String)] if "run" in c.columns else []),
+                       pl.col("n_params").cast(pl.Float64).alias("N_own"),
+                       pl.col("tokens").cast(pl.Float64).alias("D_own"),
+                       pl.col("val_loss").cast(pl.Float64).alias("loss"))
+        if "run" in own.columns and "run" in runs.columns:
+            own = own.join(runs.drop("loss"), on=["variant", "run"], how="left")
+        else:
+            own = own.with_columns(pl.lit(None, pl.Float64).alias("N"), pl.lit(None, pl.Float64).alias("D"))
+        frames.append(own.with_columns(
+            (pl.col("variant") + "+" + pl.col("setting")).alias("variant"),
+            pl.coalesce("N", "N_own").alias("N"), pl.coalesce("D", "D_own").alias("D"),
+        ).drop("setting", "N_own", "D_own"))
+    points = pl.concat(frames, how="diagonal_relaxed")
+    kept, excluded = exclude_runs(points, cfg.max_epochs)
+    keep_cols = ["variant", "N", "D", "loss", *(c for c in ("run", "C", "compute_budget") if c in kept.columns)]
+    return GatheredPoints(points=kept.select(keep_cols), excluded_runs=excluded, n_column=n_column)
 
 
 @flow(name="fit", log_prints=True)
@@ -56,11 +103,14 @@ def fit_flow(
     ctx = stage_context(root, preset, workdir, runner, parent_run_id)
     cfg = ctx.config(FitConfig, "fit")
     with stage_run(ctx, "fit", cfg) as run:
-        points = gather_points(ctx.layout.reports)
-        report = fit_points(points, cfg)
-        paths = write_fit_report(report, points, ctx.layout.reports, plots_dir=ctx.layout.plots)
+        gathered = gather_points(ctx.layout.reports, cfg)
+        report = fit_points(gathered.points, cfg, excluded_runs=gathered.excluded_runs)
+        report["n_column"] = gathered.n_column
+        paths = write_fit_report(report, gathered.points, ctx.layout.reports, plots_dir=ctx.layout.plots)
         for p in paths:
             run.log_artifact(p, "plots" if p.suffix == ".png" else "reports")
+        run.log_metrics({"n_excluded_runs": len(gathered.excluded_runs),
+                         "n_identified_laws": sum(bool(v.get("identified")) for v in report["variants"].values())})
         for variant, fit in report.get("variants", {}).items():
             if not isinstance(fit, dict) or "alpha" not in fit:
                 continue
@@ -70,7 +120,8 @@ def fit_flow(
                     {k: fit[k]["value"] for k in ("E", "A", "B", "alpha", "beta") if isinstance(fit.get(k), dict)}
                     | {f"{k}_ci_low": fit[k]["ci_low"] for k in ("alpha", "beta") if isinstance(fit.get(k), dict)}
                     | {f"{k}_ci_high": fit[k]["ci_high"] for k in ("alpha", "beta") if isinstance(fit.get(k), dict)}
-                    | {"n_points": fit.get("n_points")}
+                    | {"n_points": fit.get("n_points"), "identified": float(bool(fit.get("identified")))}
                 )
-        print(f"fit: {len(report.get('variants', {}))} laws -> {ctx.layout.reports / 'fits.json'}")
+        print(f"fit: {len(report.get('variants', {}))} laws, {len(gathered.excluded_runs)} runs excluded "
+              f"-> {ctx.layout.reports / 'fits.json'}")
         return report

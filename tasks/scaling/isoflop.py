@@ -1,8 +1,9 @@
 """Approach 2 of Hoffmann et al. (2022): IsoFLOP profiles.
 
-Runs are grouped into compute levels ``C = 6 N D``; per level a parabola
+Runs are grouped into compute levels ``C`` (measured FLOPs, or ``6 N D``); per level a parabola
 ``loss = p2 x^2 + p1 x + p0`` in ``x = log10 N`` gives ``N* = 10^(-p1 / (2 p2))``;
-then ``N* ∝ C^a`` and ``D* = C / (6 N*) ∝ C^b`` are fitted by least squares in log space.
+then ``N* ∝ C^a`` and ``D* = C / f(N*) ∝ C^b`` (``f(N) = k N^gamma`` FLOPs per token, 6N by
+default) are fitted by least squares in log space.
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ def isoflop_levels(compute: np.ndarray, log10_tolerance: float) -> list[np.ndarr
     return [np.array(lv) for lv in levels]
 
 
-def isoflop_minima(N, D, loss, *, log10_tolerance: float = 0.1, min_points: int = 3) -> IsoflopResult:
-    """IsoFLOP fit (Approach 2). ``N``, ``D``, ``loss``: arrays (n,).
+def isoflop_minima(N, D, loss, *, log10_tolerance: float = 0.1, min_points: int = 3, compute=None,
+                   flops_k: float = 6.0, flops_gamma: float = 1.0) -> IsoflopResult:
+    """IsoFLOP fit (Approach 2). ``N``, ``D``, ``loss``: arrays (n,); ``compute`` (n,) each run's
+    training FLOPs (default ``6ND``), ``flops_k N^flops_gamma`` the FLOPs per token giving D*.
 
     A level is skipped, with its reason recorded, when it has fewer than ``min_points`` runs
     of distinct N (at least 3 for a parabola), when the parabola is not convex (no minimum),
@@ -71,7 +74,7 @@ def isoflop_minima(N, D, loss, *, log10_tolerance: float = 0.1, min_points: int 
     N = np.asarray(N, dtype=float)
     D = np.asarray(D, dtype=float)
     loss = np.asarray(loss, dtype=float)
-    C = 6.0 * N * D
+    C = 6.0 * N * D if compute is None else np.asarray(compute, dtype=float)
     levels = []
     for rows in isoflop_levels(C, log10_tolerance):
         x = np.log10(N[rows])
@@ -89,7 +92,7 @@ def isoflop_minima(N, D, loss, *, log10_tolerance: float = 0.1, min_points: int 
             continue
         x_opt = -p1 / (2 * p2)
         lv.N_opt = float(10**x_opt)
-        lv.D_opt = float(lv.C / (6 * lv.N_opt))
+        lv.D_opt = float(lv.C / (flops_k * lv.N_opt**flops_gamma))
         lv.loss_opt = float(p0 - p1 * p1 / (4 * p2))
         if not (x.min() <= x_opt <= x.max()):
             lv.reason = "minimum outside the sampled N range; left out of the power laws"

@@ -1,8 +1,10 @@
 """Scaling-law fits of a table of runs, and the files that report them.
 
-``fit_points`` computes (Approach 3 with bootstrap intervals, IsoFLOP, compute-optimal
-projections, variant comparisons); ``write_fit_report`` writes fits.json,
-compute_optimal.csv and PNG plots.
+``fit_points`` computes (Approach 3 of Hoffmann et al. 2022 with Epoch AI's bootstrap intervals,
+identification diagnostics and a backtest, IsoFLOP, compute-optimal projections under the
+ladder's measured FLOPs, Holm-controlled variant comparisons); ``write_fit_report`` writes
+fits.json, compute_optimal.csv and PNG plots. ``exclude_runs`` decides which training runs a
+law may use.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ import polars as pl
 
 from tasks.common.config import to_dict
 from tasks.common.io import atomic_path, write_csv, write_json
-from tasks.scaling.chinchilla import PARAM_NAMES, bootstrap_chinchilla, fit_chinchilla
-from tasks.scaling.compute_optimal import compare_variants, compute_optimal_table
+from tasks.scaling.chinchilla import PARAM_NAMES, bootstrap_chinchilla, fit_chinchilla, percentile_interval
+from tasks.scaling.compute_optimal import (FlopsPerToken, compare_variants, compute_optimal_table,
+                                           fit_flops_per_token, optimal_allocation)
 from tasks.scaling.config import FitConfig
+from tasks.scaling.diagnostics import identification, law_diagnostics
 from tasks.scaling.isoflop import isoflop_minima
 
 REQUIRED_COLUMNS = ("N", "D", "loss")
+# C: a run's training FLOPs (6ND when absent); compute_budget: the ladder design's budget (null
+# for grid designs), which picks the backtest's held-out level.
+OPTIONAL_COLUMNS = ("C", "compute_budget")
 CSV_COLUMNS = ("variant", "C", "N_opt", "D_opt", "tokens_per_param", "loss_pred")
 
 
@@ -59,6 +66,17 @@ def validate_points(points: pl.DataFrame) -> pl.DataFrame:
             i = int(bad[0])
             raise ValueError(f"points: row {i} has {col}={values[i]!r}; {col} must be positive and finite "
                              f"({bad.size} bad row(s) in {col})")
+    for col in OPTIONAL_COLUMNS:
+        if col not in points.columns:
+            continue
+        if not (points.schema[col].is_numeric() or points.schema[col] == pl.Null):
+            raise ValueError(f"points: column {col!r} must be numeric, got {points.schema[col]}")
+        values = points[col].cast(pl.Float64).to_numpy()
+        given = ~np.isnan(values)
+        bad = np.flatnonzero(given & (~np.isfinite(values) | (values <= 0)))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"points: row {i} has {col}={values[i]!r}; {col} must be positive and finite or empty")
     frame = points.with_row_index("row")
     if "variant" not in frame.columns:
         frame = frame.with_columns(pl.lit("all").alias("variant"))
@@ -66,7 +84,8 @@ def validate_points(points: pl.DataFrame) -> pl.DataFrame:
         i = int(frame.filter(pl.col("variant").is_null())["row"][0])
         raise ValueError(f"points: row {i} has no variant")
     return frame.with_columns(pl.col("variant").cast(pl.String),
-                              *(pl.col(c).cast(pl.Float64) for c in REQUIRED_COLUMNS))
+                              *(pl.col(c).cast(pl.Float64) for c in REQUIRED_COLUMNS),
+                              *(pl.col(c).cast(pl.Float64) for c in OPTIONAL_COLUMNS if c in frame.columns))
 
 
 def _finite(x: Any) -> Any:
@@ -82,22 +101,66 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def _fit_and_bootstrap(N: np.ndarray, D: np.ndarray, L: np.ndarray, cfg: FitConfig):
+def exclude_runs(runs: pl.DataFrame, max_epochs: float | None) -> tuple[pl.DataFrame, list[dict]]:
+    """Keep the runs a law may use; return them and one ``{variant, run, reason}`` per dropped run.
+
+    Dropped: ``diverged`` true; ``epochs > max_epochs`` (None keeps all); a missing or
+    non-finite ``loss``. Columns that are absent (older reports) exclude nothing.
+    """
+    cols = runs.columns
+    reasons = []
+    if "diverged" in cols:
+        reasons.append((pl.col("diverged").cast(pl.Boolean).fill_null(False), pl.lit("diverged")))
+    if max_epochs is not None and "epochs" in cols:
+        reasons.append((pl.col("epochs").cast(pl.Float64) > max_epochs,
+                        pl.format("epochs={} > max_epochs={}", pl.col("epochs"), pl.lit(max_epochs))))
+    if "loss" in cols:
+        loss = pl.col("loss").cast(pl.Float64)
+        reasons.append((loss.is_null() | loss.is_nan() | loss.is_infinite(), pl.lit("no finite loss")))
+    if not reasons:
+        return runs, []
+    expr = pl.when(reasons[0][0].fill_null(False)).then(reasons[0][1])
+    for cond, why in reasons[1:]:
+        expr = expr.when(cond.fill_null(False)).then(why)
+    tagged = runs.with_columns(expr.otherwise(None).cast(pl.String).alias("_reason"))
+    dropped = tagged.filter(pl.col("_reason").is_not_null())
+    excluded = [{"variant": r.get("variant"), "run": r.get("run"), "reason": r["_reason"]}
+                for r in dropped.select([c for c in ("variant", "run", "_reason") if c in tagged.columns]).to_dicts()]
+    return tagged.filter(pl.col("_reason").is_null()).drop("_reason"), excluded
+
+
+def law_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
+    """The comparisons worth making: every pair of data variants (names without '+'), then each
+    data variant with its own ``<variant>+<setting>`` series (compressed, sparse, RePB) — not
+    every compressed series with every other variant's, which would only dilute the Holm family.
+    Without any '+'-free name, every pair."""
+    names = sorted(names)
+    base = [n for n in names if "+" not in n]
+    if not base:
+        return [(x, y) for i, x in enumerate(names) for y in names[i + 1:]]
+    pairs = [(x, y) for i, x in enumerate(base) for y in base[i + 1:]]
+    pairs += [(b, n) for b in base for n in names if n.startswith(b + "+")]
+    return pairs
+
+
+def _fit_law(N: np.ndarray, D: np.ndarray, L: np.ndarray, C: np.ndarray, budget: np.ndarray | None, cfg: FitConfig):
     fit = fit_chinchilla(N, D, L, cfg)
-    return fit, bootstrap_chinchilla(N, D, L, cfg, fit=fit)
+    boot = bootstrap_chinchilla(N, D, L, cfg, fit=fit)
+    return fit, boot, law_diagnostics(N, D, L, C, budget, fit, boot, cfg)
 
 
-def fit_series(series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], cfg: FitConfig) -> dict:
-    """``{name: (ChinchillaFit, BootstrapResult)}`` for each ``name: (N, D, loss)``.
+def fit_series(series: dict[str, tuple], cfg: FitConfig) -> dict:
+    """``{name: (ChinchillaFit, BootstrapResult, diagnostics)}`` for each
+    ``name: (N, D, loss, C, compute_budget or None)``.
 
     With several series and ``cfg.n_jobs > 1`` the series are spread over one pool of
     ``n_jobs`` processes (each bootstrapping in its own process), rather than each bootstrap
     starting a pool of its own: a pipeline fits a law per variant and per compression and
     sparsity setting, and a pool per law cost more in start-up than the small ladders' fits.
-    Results do not depend on ``n_jobs`` (every bootstrap draws from ``cfg.bootstrap_seed``).
+    Results do not depend on ``n_jobs`` (replicate i draws from ``(cfg.bootstrap_seed, i)``).
     """
     if cfg.n_jobs == 1 or len(series) < 2:
-        return {name: _fit_and_bootstrap(*arrays, cfg) for name, arrays in series.items()}
+        return {name: _fit_law(*arrays, cfg) for name, arrays in series.items()}
     import dataclasses
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -106,78 +169,150 @@ def fit_series(series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], cfg
     # spawn, not fork: the parent may hold polars/BLAS thread pools that fork would copy locked.
     with ProcessPoolExecutor(max_workers=min(cfg.n_jobs, len(series)),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: pool.submit(_fit_and_bootstrap, *arrays, inner) for name, arrays in series.items()}
+        futures = {name: pool.submit(_fit_law, *arrays, inner) for name, arrays in series.items()}
         return {name: f.result() for name, f in futures.items()}
 
 
-def fit_points(points: pl.DataFrame, cfg: FitConfig) -> dict:
-    """Fit every variant of ``points`` (columns N, D, loss[, variant]) and compare them.
+def _law_compute(sub: pl.DataFrame) -> tuple[np.ndarray, FlopsPerToken, list[str]]:
+    """Each run's compute and the FLOPs-per-token law: measured ``C`` when every run has it, else 6ND."""
+    N, D = sub["N"].to_numpy(), sub["D"].to_numpy()
+    if "C" in sub.columns:
+        C = sub["C"].to_numpy()
+        if np.isfinite(C).all():
+            return C, fit_flops_per_token(N, D, C), []
+        if np.isfinite(C).any():
+            return 6.0 * N * D, FlopsPerToken(), [f"{int((~np.isfinite(C)).sum())} of {len(C)} runs have no "
+                                                  "measured FLOPs (C); the law uses C = 6ND for all of them"]
+    return 6.0 * N * D, FlopsPerToken(), []
 
-    Returns the fits.json content: ``{"config", "variants": {name: {E, A, B, alpha, beta:
-    {value, ci_low, ci_high}, n_points, residual, excluded, warnings, isoflop, compute_optimal}},
-    "comparisons": [...]}``. Row numbers in ``excluded`` index ``points``.
+
+def _interval(boot, name: str) -> tuple[float | None, float | None]:
+    return boot.intervals[name] if boot.n_requested else (None, None)
+
+
+def fit_points(points: pl.DataFrame, cfg: FitConfig, *, excluded_runs: Sequence[dict] = ()) -> dict:
+    """Fit every variant of ``points`` (columns N, D, loss[, variant, C, compute_budget]) and
+    compare the identified ones.
+
+    Returns the fits.json content: ``{"config", "n_definition", "excluded_runs", "variants":
+    {name: {E, A, B, alpha, beta: {value, ci_low, ci_high}, n_points, residual, excluded,
+    warnings, compute, bootstrap, diagnostics, identified, identification_reasons, isoflop,
+    compute_optimal, frontier}}, "comparisons": [...], "comparisons_skipped": [...],
+    "multiple_testing": {...}}``. Row numbers in ``excluded`` and the diagnostics index
+    ``points``; ``excluded_runs`` (runs dropped before fitting, from :func:`exclude_runs`) are
+    recorded as given.
     """
     frame = validate_points(points)
     variants: dict[str, dict] = {}
-    boots = {}
-    series = {}
+    series, meta = {}, {}
     for name in sorted(frame["variant"].unique().to_list()):
         sub = frame.filter(pl.col("variant") == name)
-        series[name] = tuple(sub[c].to_numpy() for c in (*REQUIRED_COLUMNS, "row"))
-    fitted = fit_series({k: v[:3] for k, v in series.items() if len(v[0]) >= 5}, cfg)
-    for name, (N, D, L, rows) in series.items():
+        C, flops, c_warn = _law_compute(sub)
+        budget = sub["compute_budget"].to_numpy() if "compute_budget" in sub.columns else None
+        series[name] = (*(sub[c].to_numpy() for c in REQUIRED_COLUMNS), C, budget)
+        meta[name] = (sub["row"].to_numpy(), flops, c_warn, "C" in sub.columns and not c_warn)
+    fitted = fit_series({k: v for k, v in series.items() if len(v[0]) >= 5}, cfg)
+    boots, flops_by, ranges, identified = {}, {}, {}, {}
+    for name, (N, D, L, C, budget) in series.items():
+        rows, flops, c_warn, measured = meta[name]
         if name not in fitted:
-            variants[name] = {"n_points": len(N), "warnings": [
-                f"only {len(N)} points; Approach 3 has 5 parameters and is not fitted"]}
+            variants[name] = {"n_points": len(N), "identified": False,
+                              "identification_reasons": [f"too few points: {len(N)} (< 5, the parameters of Approach 3)"],
+                              "warnings": [f"only {len(N)} points; Approach 3 has 5 parameters and is not fitted"]}
             continue
-        fit, boot = fitted[name]
-        boots[name] = boot
+        fit, boot, diag = fitted[name]
+        keep = np.ones(len(N), dtype=bool)
+        keep[[e["row"] for e in fit.excluded]] = False
+        measured_range = (float(C[keep].min()), float(C[keep].max()))
+        boots[name], flops_by[name], ranges[name] = boot, flops, measured_range
         entry: dict[str, Any] = {}
         for p in PARAM_NAMES:
-            lo, hi = boot.intervals[p] if boot.n_requested else (None, None)
+            lo, hi = _interval(boot, p)
             entry[p] = {"value": getattr(fit, p), "ci_low": lo, "ci_high": hi}
         entry["allocation_exponents"] = {
-            k: {"value": v, "ci_low": boot.intervals[k][0] if boot.n_requested else None,
-                "ci_high": boot.intervals[k][1] if boot.n_requested else None}
+            k: {"value": v, "ci_low": _interval(boot, k)[0], "ci_high": _interval(boot, k)[1]}
             for k, v in (("a_exp", fit.beta / (fit.alpha + fit.beta)), ("b_exp", fit.alpha / (fit.alpha + fit.beta)))
         }
         entry["n_points"] = fit.n_points
+        entry["n_distinct_N"] = int(len(np.unique(N[keep])))
         entry["n_decades_N"] = fit.n_decades_n
         entry["residual"] = {"huber_objective": fit.objective, "rmse_log_loss": fit.rmse_log}
         entry["excluded"] = [e | {"row": int(rows[e["row"]])} for e in fit.excluded]
         entry["exclusion_rule"] = (f"the {cfg.exclude_top_loss} highest-loss runs of the variant are excluded"
                                    if cfg.exclude_top_loss else "no runs excluded (exclude_top_loss=0)")
-        entry["bootstrap"] = {"n_requested": boot.n_requested, "n_ok": len(boot.samples),
-                              "n_failed": boot.n_failed, "n_basin_switch": boot.n_basin_switch,
-                              "confidence": boot.confidence}
-        entry["warnings"] = fit.warnings + boot.warnings
-        keep = np.ones(len(N), dtype=bool)
-        keep[[e["row"] for e in fit.excluded]] = False
+        entry["compute"] = {"definition": "flops_total (measured training FLOPs)" if measured else "6ND",
+                            "flops_per_token": flops.to_dict(), "measured_range": list(measured_range)}
+        entry["bootstrap"] = {"n_requested": boot.n_requested, "n_ok": boot.n_ok, "n_failed": boot.n_failed,
+                              "n_redrawn": boot.n_redrawn, "n_basin_switch": boot.n_basin_switch,
+                              "n_run_keys": int(len(boot.keys)), "confidence": boot.confidence,
+                              "unit": "distinct (N, D) run", "starts_per_replicate": {
+                                  "point_and_spread_corners": 1 if cfg.bootstrap_start_spread == 0 else 5,
+                                  "best_grid_points": min(cfg.bootstrap_n_starts, cfg.grid_size)}}
+        diag = _rows_to_points(diag, rows)
+        ok, reasons = identification(fit, boot, diag, N[keep], cfg)
+        identified[name] = (ok, reasons)
+        entry["identified"], entry["identification_reasons"] = ok, reasons
+        entry["diagnostics"] = {k: v for k, v in diag.items() if k != "warnings"}
+        entry["warnings"] = fit.warnings + boot.warnings + c_warn + diag["warnings"]
         iso = isoflop_minima(N[keep], D[keep], L[keep], log10_tolerance=cfg.isoflop_log10_tolerance,
-                             min_points=cfg.isoflop_min_points)
+                             min_points=cfg.isoflop_min_points, compute=C[keep], flops_k=flops.k,
+                             flops_gamma=flops.gamma)
         iso_dict = iso.to_dict()
         for lv in iso_dict["levels"]:  # rows of the kept subset -> rows of `points`
             lv["rows"] = [int(rows[keep][r]) for r in lv["rows"]]
         entry["isoflop"] = iso_dict
-        entry["compute_optimal"] = compute_optimal_table(fit, cfg.compute_budgets,
-                                                         boot if boot.n_requested else None)
+        entry["compute_optimal"] = compute_optimal_table(fit, cfg.compute_budgets, boot if boot.n_requested else None,
+                                                         flops=flops, measured_range=measured_range)
+        entry["frontier"] = _frontier(fit, boot, flops, measured_range)
         variants[name] = entry
-    comparisons = compare_variants(boots, cfg.compute_budgets, confidence=cfg.reversal_confidence) \
-        if len(boots) >= 2 else []
-    return _finite({"config": to_dict(cfg), "variants": variants, "comparisons": comparisons})
+    pairs = law_pairs(list(boots))
+    tested, skipped = [], []
+    for x, y in pairs:
+        why = [f"{v} is not identified: " + "; ".join(identified[v][1]) for v in (x, y) if not identified[v][0]]
+        (skipped.append({"x": x, "y": y, "reason": " | ".join(why)}) if why else tested.append((x, y)))
+    result = compare_variants(boots, cfg.compute_budgets, confidence=cfg.reversal_confidence, pairs=tested,
+                              flops=flops_by, measured_range=ranges)
+    return _finite({"config": to_dict(cfg), "n_definition": cfg.n_definition, "excluded_runs": list(excluded_runs),
+                    "variants": variants, "comparisons": result["comparisons"], "comparisons_skipped": skipped,
+                    "multiple_testing": result["multiple_testing"]})
+
+
+def _rows_to_points(diag: dict, rows: np.ndarray) -> dict:
+    """Diagnostics' row indices (into a variant's arrays) -> rows of ``points``."""
+    bt = dict(diag["backtest"])
+    bt["held_out_rows"] = [int(rows[i]) for i in bt["held_out_rows"]]
+    if "points" in bt:
+        bt["points"] = [p | {"row": int(rows[p["row"]])} for p in bt["points"]]
+    return diag | {"backtest": bt}
+
+
+def _frontier(fit, boot, flops: FlopsPerToken, measured_range: tuple[float, float], n: int = 40) -> dict:
+    """The compute-optimal loss over the measured compute range, with its bootstrap band (for plots)."""
+    C = np.geomspace(*measured_range, n) if measured_range[1] > measured_range[0] else np.array(measured_range[:1])
+    point = optimal_allocation(fit.E, fit.A, fit.B, fit.alpha, fit.beta, C, flops_k=flops.k,
+                               flops_gamma=flops.gamma)["loss_pred"]
+    lo = hi = [None] * len(C)
+    if boot.n_ok:
+        cols = [boot.samples[:, k:k + 1] for k in range(5)]
+        s = optimal_allocation(*cols, C[None, :], flops_k=flops.k, flops_gamma=flops.gamma)["loss_pred"]
+        lo, hi = zip(*(percentile_interval(s[:, j], boot.confidence) for j in range(len(C))))
+    return {"C": C.tolist(), "loss_pred": point.tolist(), "ci_low": list(lo), "ci_high": list(hi)}
 
 
 # --------------------------------------------------------------------------- writing
 
 
 def compute_optimal_frame(report: dict) -> pl.DataFrame:
-    """The compute_optimal rows of every variant as one table (CSV_COLUMNS plus ci columns)."""
+    """The compute_optimal rows of every variant as one table (CSV_COLUMNS plus ci columns and
+    ``inside_measured_range``); C is the law's own compute definition (measured FLOPs or 6ND)."""
     cols = ["variant", "C"]
     for name in CSV_COLUMNS[2:]:
         cols += [name, f"{name}_ci_low", f"{name}_ci_high"]
+    cols.append("inside_measured_range")
     records = [{"variant": v, **row} for v, entry in report["variants"].items()
                for row in entry.get("compute_optimal", [])]
-    schema = {c: (pl.String if c == "variant" else pl.Float64) for c in cols}
+    schema = {c: (pl.String if c == "variant" else pl.Boolean if c == "inside_measured_range" else pl.Float64)
+              for c in cols}
     return pl.DataFrame(records, schema=schema).select(cols)
 
 
@@ -200,7 +335,8 @@ def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path,
     Plots: ``loss_vs_compute_<variant>.png`` (runs and fitted iso-N curves),
     ``isoflop_<variant>.png`` (per-level parabolas and minima, where IsoFLOP levels exist) and
     ``frontier.png`` (projected loss at the compute-optimal allocation per data variant, with
-    intervals) and ``frontier_<variant>.png`` (that variant beside its ``<variant>+<setting>`` series).
+    intervals), ``frontier_<variant>.png`` (that variant beside its ``<variant>+<setting>`` series)
+    and ``compare_<x>__<y>.png`` per compared pair (both frontiers with bands over their runs).
     """
     import matplotlib
 
@@ -221,14 +357,16 @@ def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path,
         sub = frame.filter(pl.col("variant") == name)
         N, D, L = (sub[c].to_numpy() for c in REQUIRED_COLUMNS)
         p = {k: entry[k]["value"] for k in PARAM_NAMES}
+        fpt = entry["compute"]["flops_per_token"]
+        flops = FlopsPerToken(k=fpt["k"], gamma=fpt["gamma"])
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        sc = ax.scatter(6 * N * D, L, c=np.log10(N), cmap="viridis", s=14)
+        sc = ax.scatter(_run_compute(sub), L, c=np.log10(N), cmap="viridis", s=14)
         d_grid = np.geomspace(D.min() / 2, D.max() * 2, 100)
         for n in np.unique(N)[:: max(1, len(np.unique(N)) // 8)]:
             pred = p["E"] + p["A"] / n ** p["alpha"] + p["B"] / d_grid ** p["beta"]
-            ax.plot(6 * n * d_grid, pred, color=plt.cm.viridis(
-                (np.log10(n) - np.log10(N.min())) / max(np.log10(N.max() / N.min()), 1e-9)), lw=0.8)
-        ax.set(xscale="log", xlabel="compute C = 6ND (FLOPs)", ylabel="loss",
+            ax.plot(flops(n) * d_grid, pred, color=plt.cm.viridis(
+                (np.log10(n) - np.log10(N.min())) / max(np.log10(N.max() / max(N.min(), 1e-300)), 1e-9)), lw=0.8)
+        ax.set(xscale="log", xlabel=f"compute C ({entry['compute']['definition']}, FLOPs)", ylabel="loss",
                title=f"{name}: L = {p['E']:.3g} + {p['A']:.3g}/N^{p['alpha']:.3f} + {p['B']:.3g}/D^{p['beta']:.3f}")
         fig.colorbar(sc, label="log10 N")
         written.append(_save(fig, out / f"loss_vs_compute_{safe}.png"))
@@ -274,4 +412,36 @@ def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path,
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
         written.append(_save(fig, out / (f"frontier_{_file_safe(base)}.png" if base else "frontier.png")))
         plt.close(fig)
+
+    # compare_<x>__<y>.png: the compared pairs (law_pairs among identified laws): both frontiers
+    # with their bands over the measured runs.
+    for cmp in report.get("comparisons", []):
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for name in (cmp["x"], cmp["y"]):
+            entry = report["variants"][name]
+            sub = frame.filter(pl.col("variant") == name)
+            fr = entry["frontier"]
+            C = np.array(fr["C"], dtype=float)
+            line, = ax.plot(C, fr["loss_pred"], label=f"{name} frontier L*(C)")
+            lo = np.array([np.nan if v is None else v for v in fr["ci_low"]], dtype=float)
+            hi = np.array([np.nan if v is None else v for v in fr["ci_high"]], dtype=float)
+            if np.isfinite(lo).any():
+                ax.fill_between(C, lo, hi, color=line.get_color(), alpha=0.2)
+            ax.scatter(_run_compute(sub), sub["loss"].to_numpy(), color=line.get_color(), s=10, alpha=0.6,
+                       label=f"{name} runs")
+        called = [f"{c:.2g}: {b}" for c, b, ins in zip(cmp["compute"], cmp["better"], cmp["inside_measured_range"])
+                  if ins and b]
+        ax.set(xscale="log", xlabel="compute C (FLOPs)", ylabel="loss",
+               title=f"{cmp['x']} vs {cmp['y']} ({cmp['pairing']})"
+                     + (f"\nHolm-significant: {', '.join(called)}" if called else "\nno Holm-significant difference"))
+        ax.legend(fontsize=7)
+        written.append(_save(fig, out / f"compare_{_file_safe(cmp['x'])}__{_file_safe(cmp['y'])}.png"))
+        plt.close(fig)
     return written
+
+
+def _run_compute(sub: pl.DataFrame) -> np.ndarray:
+    """Each run's compute as its law used it: measured C when every run has one, else 6ND."""
+    if "C" in sub.columns and np.isfinite(sub["C"].to_numpy()).all():
+        return sub["C"].to_numpy()
+    return 6.0 * sub["N"].to_numpy() * sub["D"].to_numpy()

@@ -7,8 +7,9 @@ import pytest
 from tasks.scaling.config import FitConfig
 from tasks.scaling.report import fit_points, read_points, write_fit_report
 
-CFG = FitConfig(n_bootstrap=10, n_jobs=1, n_starts=8, bootstrap_start_spread=0.0,
-                compute_budgets=(1e18, 1e20, 1e22), exclude_top_loss=1)
+# 150 replicates: the smallest two-sided bootstrap p is 2/151, which survives Holm over 3 budgets
+CFG = FitConfig(n_bootstrap=150, n_jobs=1, n_starts=8, bootstrap_start_spread=0.0, bootstrap_n_starts=2,
+                backtest_bootstrap=10, compute_budgets=(1e18, 1e20, 1e22), exclude_top_loss=1)
 
 
 def _points(ladder):
@@ -49,18 +50,28 @@ def test_report_content_and_files(ladder, tmp_path):
     assert excl["row"] == int(points.filter(pl.col("variant") == "base")["loss"].arg_max())
     assert "exclude_top_loss=1" in excl["reason"]
     assert len(base["compute_optimal"]) == 3 and len(report["comparisons"]) == 1
-    # the variant with lower E is better at every budget
+    # the variant with lower E is better at every budget, Holm-adjusted; same ladder -> paired
     cmp = report["comparisons"][0]
     assert (cmp["x"], cmp["better_at_largest_C"]) == ("base", "dedup")
+    assert cmp["pairing"] == "paired_by_key" and cmp["better"] == ["dedup"] * 3
+    assert report["multiple_testing"]["n_tests"] == 3 and report["multiple_testing"]["n_pairs_tested"] == 1
+    assert all(p_adj >= p for p, p_adj in zip(cmp["p_value"], cmp["p_holm"]))
+    assert base["identified"] is True and base["identification_reasons"] == []
+    bt = base["diagnostics"]["backtest"]
+    assert bt["available"] and bt["median_rel_error"]["value"] < 0.03
+    assert set(bt["held_out_rows"]) <= set(points.with_row_index().filter(pl.col("variant") == "base")["index"])
+    assert [s["huber_delta"] for s in base["diagnostics"]["huber_delta_sensitivity"]] == [1e-4, 1e-3, 1e-2]
+    assert base["compute"]["flops_per_token"] == {"k": 6.0, "gamma": 1.0, "source": base["compute"]["flops_per_token"]["source"]}
 
     paths = write_fit_report(report, points, tmp_path / "fit")
     names = {p.name for p in paths}
     assert {"fits.json", "compute_optimal.csv", "frontier.png", "loss_vs_compute_base.png",
-            "loss_vs_compute_dedup.png"} <= names
+            "loss_vs_compute_dedup.png", "compare_base__dedup.png"} <= names
     assert json.loads((tmp_path / "fit" / "fits.json").read_text())["variants"]["base"]["n_points"] == 29
     table = pl.read_csv(tmp_path / "fit" / "compute_optimal.csv")
     assert table.columns[:5] == ["variant", "C", "N_opt", "N_opt_ci_low", "N_opt_ci_high"]
     assert table.height == 6 and "loss_pred_ci_high" in table.columns
+    assert table["inside_measured_range"].to_list() == [True] * 6
     assert all((tmp_path / "fit" / n).stat().st_size > 1000 for n in names if n.endswith(".png"))
     assert not list((tmp_path / "fit").glob(".*.tmp"))
 
