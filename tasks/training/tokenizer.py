@@ -57,10 +57,21 @@ def _batches(texts: Iterable[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
-def encode_corpus(tokenizer: Tokenizer, texts: Iterable[str], batch_size: int = 1024) -> np.ndarray:
-    """One flat token stream: each document's ids followed by the EOS id.
+def encode_corpus_segments(
+    tokenizer: Tokenizer, texts: Iterable[str], batch_size: int = 1024
+) -> tuple[np.ndarray, np.ndarray]:
+    """The token stream of :func:`encode_corpus` plus the document each token belongs to.
 
-    Returns shape ``(n_tokens,)``, uint16 when the vocabulary fits in 16 bits, else uint32.
+    Returns ``(tokens, doc_index)``, both shape ``(n_tokens,)``: ``tokens`` is each document's ids
+    followed by the EOS id (uint16 when the vocabulary fits in 16 bits, else uint32);
+    ``doc_index[i]`` (int32) is the 0-based position in ``texts`` of the document that token ``i``
+    belongs to, its closing EOS included. An empty document contributes one EOS. Map documents to
+    labels (source, variant) with ``labels[doc_index]`` and pass them, aligned to scored targets
+    with :func:`tasks.evaluation.loss.target_indices`, to :func:`tasks.evaluation.loss.loss_by_group`.
+
+    >>> toks, doc = encode_corpus_segments(tok, ["a b", "c"])  # doctest: +SKIP
+    >>> doc.tolist()                                            # doctest: +SKIP
+    [0, 0, 0, 0, 1, 1]
     """
     vocab = tokenizer.get_vocab_size()
     dtype = np.uint16 if vocab <= 65535 else np.uint32
@@ -73,8 +84,19 @@ def encode_corpus(tokenizer: Tokenizer, texts: Iterable[str], batch_size: int = 
             ids[-1] = eos
             parts.append(ids)
     if not parts:
-        return np.empty(0, dtype=dtype)
-    return np.concatenate(parts)
+        return np.empty(0, dtype=dtype), np.empty(0, dtype=np.int32)
+    lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+    doc_index = np.repeat(np.arange(len(parts), dtype=np.int32), lengths)
+    return np.concatenate(parts), doc_index
+
+
+def encode_corpus(tokenizer: Tokenizer, texts: Iterable[str], batch_size: int = 1024) -> np.ndarray:
+    """One flat token stream: each document's ids followed by the EOS id.
+
+    Returns shape ``(n_tokens,)``, uint16 when the vocabulary fits in 16 bits, else uint32.
+    The tokens of :func:`encode_corpus_segments` (same code path).
+    """
+    return encode_corpus_segments(tokenizer, texts, batch_size)[0]
 
 
 def save_tokens(path: str | Path, arr: np.ndarray) -> Path:

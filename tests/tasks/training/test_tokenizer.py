@@ -3,7 +3,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.training.tokenizer import EOS, encode_corpus, eos_id, load_tokens, save_tokens, train_tokenizer
+from tasks.training.tokenizer import (
+    EOS,
+    encode_corpus,
+    encode_corpus_segments,
+    eos_id,
+    load_tokens,
+    save_tokens,
+    train_tokenizer,
+)
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -36,6 +44,23 @@ def test_encode_corpus_joins_documents_with_eos():
     first = arr[: eos_positions[0]].tolist()
     assert tok.decode(first) == "first document"
     assert arr.tolist() == encode_corpus(tok, docs, batch_size=1024).tolist()  # batching doesn't matter
+
+
+def test_encode_corpus_segments_labels_each_token_with_its_document():
+    tok = train_tokenizer(TEXTS, 320)
+    docs = ["first document", "", "second one, a little longer", "x"]
+    arr, doc = encode_corpus_segments(tok, docs, batch_size=3)
+    assert arr.tolist() == encode_corpus(tok, docs).tolist()  # the same stream
+    assert doc.dtype == np.int32 and doc.shape == arr.shape
+    assert np.all(np.diff(doc) >= 0) and doc[0] == 0 and doc[-1] == len(docs) - 1
+    eos = eos_id(tok)
+    for i, text in enumerate(docs):
+        mine = arr[doc == i]
+        assert mine[-1] == eos and not np.any(mine[:-1] == eos)  # each document closes on its own EOS
+        assert tok.decode(mine[:-1].tolist()) == text
+    assert np.sum(doc == 1) == 1  # the empty document is one EOS
+    empty_arr, empty_doc = encode_corpus_segments(tok, [])
+    assert empty_arr.size == 0 and empty_doc.dtype == np.int32 and empty_doc.size == 0
 
 
 def test_small_vocab_rejected():
