@@ -204,3 +204,60 @@ def test_newton_step_survives_non_finite_rows():
     step, dec, pd, finite = _newton_step(np.ones((2, 5)), np.stack([good, bad]), np.zeros(2))
     assert finite.tolist() == [True, False] and pd.tolist() == [True, False]
     assert np.allclose(step[0], -0.5) and np.all(step[1] == 0)
+
+
+def test_degenerate_replicates_are_redrawn(ladder):
+    """Six runs, one of them the only run at the larger N: a plain multinomial draw often misses it
+    (one distinct N) or has < 5 distinct runs; those draws are redrawn and counted."""
+    from tasks.scaling.chinchilla import resample_keys, run_keys
+
+    N = np.array([1e8] * 5 + [1e9])
+    D = np.geomspace(1e9, 1e11, 6)
+    keys, _ = run_keys(N, D)
+    counts, n_redrawn, failed = resample_keys(keys, 40, seed=0)
+    assert n_redrawn > 0 and not failed.any()
+    for c in counts:
+        used = keys[c > 0]
+        assert len(np.unique(used[:, 0])) >= 2 and len(np.unique(used[:, 1])) >= 2 and len(used) >= 5
+        assert c.sum() == len(keys)
+    # the same through the bootstrap, which reports the count
+    N, D, L = ladder(n_sizes=3, n_tokens=2, noise=0.002)  # 6 runs
+    boot = bootstrap_chinchilla(N, D, L, FitConfig(n_bootstrap=6, n_jobs=1, n_starts=8, bootstrap_n_starts=2))
+    assert boot.n_redrawn > 0 and boot.counts.shape == (6, 6)
+    assert all(len(np.unique(boot.keys[c > 0, 0])) >= 2 for c in boot.counts)
+
+
+def test_replicates_are_paired_by_run_key_whatever_the_row_order(ladder):
+    """Two variants on the same ladder, rows in different orders and with different losses: replicate
+    i resamples the same runs for both (common random numbers); a different ladder does not pair."""
+    from tasks.scaling.compute_optimal import pairing
+
+    cfg = FitConfig(n_bootstrap=6, n_jobs=1, n_starts=8, bootstrap_start_spread=0.0, bootstrap_n_starts=2)
+    N, D, L = ladder(noise=0.004, seed=1, n_sizes=5, n_tokens=4)
+    perm = np.random.default_rng(9).permutation(len(N))
+    Ly = ladder(noise=0.004, seed=2, n_sizes=5, n_tokens=4, E=1.7)[2]
+    bx = bootstrap_chinchilla(N, D, L, cfg)
+    by = bootstrap_chinchilla(N[perm], D[perm], Ly[perm], cfg)
+    np.testing.assert_array_equal(bx.keys, by.keys)
+    np.testing.assert_array_equal(bx.counts, by.counts)
+    # multiplicity of each row's run, looked up by (N, D), is the same in both
+    wx = {tuple(k): bx.counts[:, j] for j, k in enumerate(bx.keys)}
+    wy = {tuple(k): by.counts[:, j] for j, k in enumerate(by.keys)}
+    for n, d in zip(N, D):
+        np.testing.assert_array_equal(wx[(n, d)], wy[(n, d)])
+    assert pairing(bx, by) == "paired_by_key"
+    bz = bootstrap_chinchilla(N[1:], D[1:], L[1:], cfg)  # one run fewer: another ladder
+    assert pairing(bx, bz) == "independent"
+
+
+def test_failed_replicates_stay_as_missing_rows(ladder):
+    N, D, L = ladder(noise=0.01, seed=5, n_sizes=5, n_tokens=4)
+    boot = bootstrap_chinchilla(N, D, L, FitConfig(n_bootstrap=5, n_jobs=1, n_starts=8, bootstrap_n_starts=2))
+    assert boot.samples.shape == (5, 5) and boot.objectives.shape == (5,) and boot.n_ok == 5
+    # the bootstrap's own draws never leave a replicate degenerate on this ladder; fake one failure
+    samples = boot.samples.copy()
+    samples[2] = np.nan
+    from tasks.scaling.chinchilla import percentile_interval
+
+    lo, hi = percentile_interval(samples[:, 3], 0.9)
+    assert np.isfinite(lo) and np.isfinite(hi)
