@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.evaluation.loss import evaluate_loss, evaluation_windows
+from tasks.evaluation.loss import evaluate_loss, evaluation_windows, loss_by_group, target_indices, token_losses
 from tasks.training.config import ModelShape
 from tasks.training.model import build_model
 
@@ -76,3 +76,73 @@ def test_max_tokens_limits_the_data(model, tokens):
 def test_too_few_tokens_raises(model):
     with pytest.raises(ValueError, match="tokens"):
         evaluate_loss(model, np.zeros(16, dtype=np.uint16), 16, 4)
+
+
+class NextTokenLM(nn.Module):
+    """Puts probability ``p`` on ``(x + 1) % V`` after token ``x``, the rest spread evenly: known per-token losses."""
+
+    def __init__(self, vocab: int, p: float = 0.9) -> None:
+        super().__init__()
+        self.vocab, self.p = vocab, p
+        self.dummy = nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, use_cache=False):
+        probs = torch.full((*input_ids.shape, self.vocab), (1 - self.p) / (self.vocab - 1))
+        probs.scatter_(-1, ((input_ids + 1) % self.vocab).unsqueeze(-1), self.p)
+        return _Out(probs.log() + 0 * self.dummy)
+
+
+def _expected_losses(tokens: np.ndarray, m: int, vocab: int, p: float) -> np.ndarray:
+    hit = tokens[1 : m + 1] == (tokens[:m] + 1) % vocab
+    return np.where(hit, -math.log(p), -math.log((1 - p) / (vocab - 1)))
+
+
+@pytest.mark.parametrize("seq_len,max_tokens", [(16, None), (7, 300), (63, 500)], ids=["T16-all", "T7-300", "T63-500"])
+def test_token_losses_match_known_logits(seq_len, max_tokens):
+    vocab, p = 8, 0.9
+    rng = np.random.default_rng(1)
+    # Half the steps follow the model's rule, so both loss values occur.
+    steps = np.where(rng.random(999) < 0.5, 1, rng.integers(2, vocab, 999))
+    tokens = (np.concatenate([[0], np.cumsum(steps)]) % vocab).astype(np.uint16)
+    losses = token_losses(NextTokenLM(vocab, p), tokens, seq_len, batch_size=3, max_tokens=max_tokens)
+    m = evaluation_windows(len(tokens), seq_len, max_tokens) * seq_len
+    assert losses.shape == (m,) and losses.dtype == np.float64
+    np.testing.assert_allclose(losses, _expected_losses(tokens, m, vocab, p), rtol=1e-5)
+    assert evaluate_loss(NextTokenLM(vocab, p), tokens, seq_len, 3, max_tokens=max_tokens) == losses.sum() / m
+
+
+def test_evaluate_loss_is_the_mean_of_token_losses(model, tokens):
+    losses = token_losses(model, tokens, 16, batch_size=5, max_tokens=300)
+    assert losses.shape == (18 * 16,)
+    assert evaluate_loss(model, tokens, 16, 5, max_tokens=300) == float(losses.sum() / losses.size)
+
+
+def test_loss_by_group_labels_the_scored_target_tokens():
+    vocab, p = 8, 0.9
+    # Document "a" follows the model's rule (low loss), document "b" does not; they alternate
+    # every 5 tokens, so labelling by input position instead of target position mixes them up.
+    rule = np.arange(5) % vocab
+    other = np.array([0, 3, 6, 1, 4])
+    tokens = np.concatenate([rule if i % 2 == 0 else other for i in range(40)]).astype(np.uint16)
+    token_source = np.array([["a", "b"][(i // 5) % 2] for i in range(len(tokens))])
+    losses = token_losses(NextTokenLM(vocab, p), tokens, seq_len=9, batch_size=4)
+    expected = _expected_losses(tokens, len(losses), vocab, p)
+    idx = target_indices(len(losses))
+    assert idx[0] == 1 and idx[-1] == len(losses) and idx.shape == losses.shape
+    groups = loss_by_group(losses, token_source[idx])
+    targets = token_source[1 : len(losses) + 1]
+    assert set(groups) == {"a", "b"}
+    for label in ("a", "b"):
+        n, mean = groups[label]
+        assert n == int(np.sum(targets == label))
+        assert mean == pytest.approx(expected[targets == label].mean(), rel=1e-6)
+    assert groups != loss_by_group(losses, token_source[: len(losses)])  # the off-by-one is visible
+    total = sum(n * m for n, m in groups.values()) / sum(n for n, _ in groups.values())
+    assert total == pytest.approx(losses.mean(), rel=1e-12)
+
+
+def test_loss_by_group_shapes_and_labels():
+    assert loss_by_group(np.array([1.0, 2.0, 4.0]), np.array([3, 3, 7], dtype=np.int32)) == {3: (2, 1.5), 7: (1, 4.0)}
+    assert loss_by_group(np.zeros(0), np.zeros(0, dtype=np.int64)) == {}
+    with pytest.raises(ValueError, match="groups"):
+        loss_by_group(np.zeros(3), np.zeros(4))
