@@ -1,10 +1,17 @@
-"""Train one rung of the ladder: AdamW, warmup + cosine, resumable checkpoints, validation loss.
+"""Train the ladder: AdamW, WSD cooldown branches or per-run cosine, resumable checkpoints, validation loss.
 
 A run is fully determined by (config, spec, token arrays): the weights by ``build_model``'s seed,
 the data order by ``(seed, step)`` (see :class:`WindowSampler`), the learning rate by the step
-(:func:`lr_at`); nothing else draws random numbers (dropout is 0). A checkpoint holds the
-weights, AdamW's tensors and every piece of loop state, so a run killed at any point and started
-again reaches the same final loss, bit for bit on CPU.
+(:func:`tasks.training.design.lr_at`); nothing else draws random numbers (dropout is 0). A
+checkpoint holds the weights, AdamW's tensors and every piece of loop state, so a run killed at
+any point and started again reaches the same final loss, bit for bit on CPU.
+
+Under ``schedule: wsd`` (:func:`train_size_wsd`) a size trains one stable run to the last
+branch point, keeping a checkpoint at each branch point (``stable/branches/<step>/``); each budget
+is then a cooldown branch that starts from that checkpoint. The first ``decay_start`` steps of a
+branch are the stable run's steps (same lr, same batches), so a branch is the run that would have
+been trained alone, at a fraction of the compute; the stable run and every branch resume after a
+kill from their own checkpoints.
 
 Outputs in ``out_dir``::
 
@@ -12,6 +19,9 @@ Outputs in ``out_dir``::
     checkpoint/          state-<step>.safetensors + state-<step>.json while the run is in progress
     model.safetensors    final weights
     result.json          TrainResult; its presence marks the run complete (a sweep skips it)
+
+A run whose training or validation loss turns NaN/inf stops there and is recorded with
+``diverged: true`` and no loss (it is excluded from the fits, and the rest of the ladder goes on).
 """
 
 from __future__ import annotations
@@ -36,8 +46,9 @@ from torch import nn
 from tasks.common.config import to_dict
 from tasks.common.io import atomic_path, read_json, write_json
 from tasks.evaluation.loss import evaluate_loss
-from tasks.training.config import ModelShape, TrainingConfig
-from tasks.training.model import build_model, count_non_embedding_params, model_flops_per_token, peak_flops
+from tasks.training.config import TrainingConfig
+from tasks.training.design import RunSpec, ladder, lr_at, run_name, stable_steps  # noqa: F401  (re-exported)
+from tasks.training.model import build_model, peak_flops
 from tasks.training.repb import RePBSelector
 
 MetricsCallback = Callable[[dict[str, float], int], None]
@@ -45,74 +56,7 @@ ProgressCallback = Callable[[int, int], None]
 
 
 # --------------------------------------------------------------------------------------------
-# The ladder
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunSpec:
-    """One (model size, token budget) point. ``tokens`` is the budget D asked for; the run trains
-    ``steps * tokens_per_step`` tokens (the budget rounded to whole steps, at least one)."""
-
-    name: str
-    size: str
-    shape: ModelShape
-    tokens: int
-    n_params: int  # non-embedding N
-    steps: int
-    tokens_per_step: int
-
-    @property
-    def tokens_trained(self) -> int:
-        return self.steps * self.tokens_per_step
-
-    def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RunSpec:
-        return cls(**{**d, "shape": ModelShape(**d["shape"])})
-
-
-def run_name(shape: ModelShape, tokens: int) -> str:
-    """``d64_l2_D200000``: the shape tag and the token budget."""
-    return f"{shape.tag}_D{tokens}"
-
-
-def ladder(cfg: TrainingConfig) -> list[RunSpec]:
-    """Every (size, budget) pair of the config, ordered by N then D."""
-    specs = []
-    per_step = cfg.tokens_per_step
-    for shape in cfg.sizes:
-        n = count_non_embedding_params(shape, cfg.vocab_size, cfg.arch, cfg.seq_len)
-        for tokens in cfg.token_budgets:
-            steps = max(1, round(tokens / per_step))
-            specs.append(RunSpec(name=run_name(shape, tokens), size=shape.tag, shape=shape, tokens=tokens,
-                                 n_params=n, steps=steps, tokens_per_step=per_step))
-    return sorted(specs, key=lambda s: (s.n_params, s.tokens))
-
-
-# --------------------------------------------------------------------------------------------
-# Schedule and data order
-
-
-def warmup_steps(total_steps: int, warmup_frac: float) -> int:
-    return min(total_steps - 1, math.ceil(warmup_frac * total_steps)) if warmup_frac > 0 else 0
-
-
-def lr_at(step: int, total_steps: int, cfg: TrainingConfig) -> float:
-    """Learning rate of 0-based optimizer step ``step`` of a ``total_steps`` run.
-
-    Linear warmup ``lr * (step+1) / W`` for ``step < W``, then cosine from ``lr`` to
-    ``lr * min_lr_ratio`` reached at the last step: ``lr_min + (lr - lr_min) * (1 + cos(pi p)) / 2``,
-    ``p = (step - W) / (total_steps - 1 - W)``.
-    """
-    w = warmup_steps(total_steps, cfg.warmup_frac)
-    if step < w:
-        return cfg.lr * (step + 1) / w
-    lr_min = cfg.lr * cfg.min_lr_ratio
-    span = total_steps - 1 - w
-    p = (step - w) / span if span > 0 else 1.0
-    return lr_min + (cfg.lr - lr_min) * 0.5 * (1.0 + math.cos(math.pi * min(p, 1.0)))
+# Data order
 
 
 class WindowSampler:
@@ -168,20 +112,41 @@ class WindowSampler:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainResult:
-    """One trained point. ``tokens`` is D actually trained; ``val_loss`` the final validation loss (nats)."""
+    """One trained point. ``tokens`` is D actually trained; ``val_loss`` the final validation loss
+    (nats; None when the run diverged).
+
+    Accounting (one convention, :func:`tasks.training.model.model_flops_per_token`):
+    ``n_params`` non-embedding N, ``n_params_total`` every weight, ``flops_total`` =
+    ``flops_per_token * tokens`` (the run's training FLOPs, whether or not a WSD branch shared its
+    first ``shared_steps`` steps with its stable run), ``epochs`` = tokens / the variant's
+    training tokens (windows the sampler can draw), ``unique_tokens`` = min of the two.
+    ``tokens_per_s`` and ``mfu`` leave out the first timed segment (compilation, warm-up) when
+    there is a later one.
+    """
 
     name: str
     n_params: int
+    n_params_total: int
     tokens: int
     steps: int
-    val_loss: float
-    ppl: float
+    val_loss: float | None
+    ppl: float | None
     tokens_per_s: float
-    flops_6nd: float
-    flops_attn: float
+    flops_per_token: float
+    flops_total: float
     wall_s: float
     mfu: float | None
-    history: list[tuple[int, float, float | None]] = field(default_factory=list)
+    epochs: float
+    unique_tokens: int
+    train_tokens_available: int
+    lr: float
+    schedule: str
+    shared_steps: int = 0
+    compute_budget: float | None = None
+    diverged: bool = False
+    diverged_reason: str | None = None
+    val_loss_by_group: dict[str, dict[str, float]] | None = None
+    history: list[tuple[int, float | None, float | None]] = field(default_factory=list)
     repb_kept_frac: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -197,13 +162,32 @@ class TrainResult:
         return cls(**kw)
 
 
+_NOT_IN_FINGERPRINT = ("sizes", "token_budgets", "compute_budgets", "sizes_per_budget", "tokens_per_param_guess",
+                       "variants", "checkpoint_interval", "compile", "num_threads")
+
+
 def run_fingerprint(spec: RunSpec, cfg: TrainingConfig) -> str:
     """Hash of everything that changes a run's numbers (not the ladder lists or checkpoint cadence)."""
     c = to_dict(cfg)
     # Performance knobs are left out: they change float summation order, not what the run is.
-    for k in ("sizes", "token_budgets", "variants", "checkpoint_interval", "compile", "num_threads"):
+    for k in _NOT_IN_FINGERPRINT:
         c.pop(k, None)
     blob = json.dumps({"cfg": c, "spec": spec.to_dict()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def stable_fingerprint(spec: RunSpec, cfg: TrainingConfig) -> str:
+    """Hash of what a WSD stable run's steps depend on: every budget of a size shares it.
+
+    The stable phase's lr is the warmup and then the constant peak (:func:`lr_at`), so the budget,
+    the step count and the cooldown start are left out.
+    """
+    shared = {k: v for k, v in spec.to_dict().items()
+              if k not in ("name", "tokens", "steps", "decay_start", "compute_budget")}
+    c = to_dict(cfg)
+    for k in _NOT_IN_FINGERPRINT:
+        c.pop(k, None)
+    blob = json.dumps({"cfg": c, "stable": shared}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -295,6 +279,21 @@ def load_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
 # --------------------------------------------------------------------------------------------
 # Training
 
+_PROCESS_THREADS: int | None = None
+
+
+def set_process_threads(num_threads: int) -> None:
+    """Set torch's intra-op threads once for this process (0 leaves torch's default).
+
+    A process-wide setting: the train flow calls it before its thread pool starts, and a Ray
+    worker's first task does; later calls with the same value are no-ops, and nothing restores it,
+    so concurrent tasks of one process never race on toggling it.
+    """
+    global _PROCESS_THREADS
+    if num_threads > 0 and _PROCESS_THREADS != num_threads:
+        torch.set_num_threads(num_threads)
+        _PROCESS_THREADS = num_threads
+
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
     if device is None:
@@ -314,6 +313,243 @@ def _config_record(spec: RunSpec, cfg: TrainingConfig, model: nn.Module, fingerp
     }
 
 
+def _finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+class _Trainer:
+    """Model, optimizer, sampler and loop state of one run; :meth:`run` advances it by steps.
+
+    ``spec`` sets the lr schedule (:func:`lr_at`); a WSD stable run uses its size's longest
+    budget, whose steps before any branch point have the lr every branch has there.
+    """
+
+    def __init__(self, spec: RunSpec, cfg: TrainingConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
+                 device: torch.device | str | None, val_groups: np.ndarray | None = None) -> None:
+        for label, arr in (("train_tokens", train_tokens), ("val_tokens", val_tokens)):
+            if len(arr) and int(np.max(arr)) >= cfg.vocab_size:
+                raise ValueError(f"{label}: token id {int(np.max(arr))} >= vocab_size {cfg.vocab_size}")
+        self.spec, self.cfg = spec, cfg
+        self.train_tokens, self.val_tokens, self.val_groups = train_tokens, val_tokens, val_groups
+        self.device = _resolve_device(device)
+        self.sampler = WindowSampler(len(train_tokens), cfg.seq_len, cfg.seed)
+        self.model = build_model(spec.shape, cfg.vocab_size, cfg.seq_len, cfg.arch, cfg.seed).to(self.device)
+        self.model.train()
+        self.forward_model = torch.compile(self.model) if cfg.compile else self.model
+        self.optimizer = _optimizer(self.model, cfg, self.device)
+        self.selector = RePBSelector(cfg.repb) if cfg.repb.enabled else None
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.step = 0
+        self.history: list[tuple[int, float | None, float | None]] = []
+        self.train_time = 0.0  # seconds in training steps (not eval, not checkpoint), over all attempts
+        self.timed_time = 0.0  # the same, leaving out each attempt's first segment (compile, warm-up)
+        self.timed_steps = 0
+        self.prior_wall = 0.0  # wall seconds of earlier attempts (and of the stable run a branch left)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.loss_count = 0
+        self.val_loss: float | None = None
+        self.diverged: str | None = None
+        self.t_start = time.perf_counter()
+
+    # -- state ------------------------------------------------------------------------------
+
+    def meta(self, fingerprint: str) -> dict[str, Any]:
+        return {
+            "fingerprint": fingerprint, "steps": self.spec.steps, "history": [list(h) for h in self.history],
+            "train_time_s": self.train_time, "timed_time_s": self.timed_time, "timed_steps": self.timed_steps,
+            "wall_s": self.prior_wall + time.perf_counter() - self.t_start,
+            "loss_sum": float(self.loss_sum), "loss_count": self.loss_count, "val_loss": self.val_loss,
+            "repb": self.selector.state_scalars() if self.selector is not None else None,
+        }
+
+    def save(self, ckpt_dir: Path, fingerprint: str) -> None:
+        save_checkpoint(ckpt_dir, self.step, self.model, self.optimizer, self.meta(fingerprint),
+                        self.selector.state_tensors() if self.selector is not None else None)
+
+    def restore(self, ckpt_dir: Path, fingerprint: str, what: str) -> bool:
+        """Load the newest checkpoint of ``ckpt_dir`` if there is one; it must carry ``fingerprint``."""
+        loaded = load_checkpoint(ckpt_dir, self.model, self.optimizer)
+        if loaded is None:
+            return False
+        meta, others = loaded
+        if meta.get("fingerprint") != fingerprint:
+            raise ValueError(f"{ckpt_dir}: {what} checkpoint of a different config or spec "
+                             f"({meta.get('fingerprint')} != {fingerprint}); delete it to retrain")
+        self.step = int(meta["step"])
+        self.history = [tuple(h) for h in meta["history"]]
+        self.train_time = float(meta["train_time_s"])
+        self.timed_time = float(meta.get("timed_time_s", 0.0))
+        self.timed_steps = int(meta.get("timed_steps", 0))
+        self.prior_wall = float(meta["wall_s"])
+        self.loss_sum.fill_(float(meta["loss_sum"]))
+        self.loss_count = int(meta["loss_count"])
+        self.val_loss = meta["val_loss"]
+        if self.selector is not None:
+            self.selector.load_state(others, meta["repb"])
+        return True
+
+    # -- one optimizer step -----------------------------------------------------------------
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                    else torch.autocast("cpu", enabled=False))
+        with autocast:
+            return self.forward_model(input_ids=x, use_cache=False).logits
+
+    def _per_sample_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(x)
+        per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                    reduction="none").view(y.shape)
+        return per_token.mean(dim=1)
+
+    def _train_step(self, step: int) -> None:
+        b, accum = self.cfg.batch_size, self.cfg.grad_accum
+        batches = []
+        for micro in range(accum):
+            ids, x, y = self.sampler.batch(self.train_tokens, (step * accum + micro) * b, b)
+            batches.append((ids, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
+        if self.selector is None:
+            for _, x, y in batches:
+                logits = self._logits(x)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+                self.loss_sum += loss.detach()
+                self.loss_count += 1
+                (loss / accum).backward()
+            return
+        # RePB selects over the whole optimizer step. With one micro-batch the training forward's
+        # own losses are the scores; with several, a no-grad scoring forward over the step's
+        # micro-batches comes first (about +1/3 compute), so selection sees every sample of the step.
+        ids_all = np.concatenate([ids for ids, _, _ in batches])
+        if accum == 1:
+            per_sample = self._per_sample_loss(batches[0][1], batches[0][2])
+            graphs = [per_sample]
+            scores = per_sample.detach()
+        else:
+            graphs = None
+            with torch.no_grad():
+                scores = torch.cat([self._per_sample_loss(x, y) for _, x, y in batches])
+        keep, weight = self.selector.select(scores.float().cpu().numpy(), ids_all)
+        n_kept = float(keep.sum())
+        w_all = torch.from_numpy(weight).to(self.device, torch.float32)
+        for m, (_, x, y) in enumerate(batches):
+            per_sample = graphs[0] if graphs is not None else self._per_sample_loss(x, y)
+            self.loss_sum += per_sample.detach().mean()  # the unpruned batch loss, comparable across runs
+            self.loss_count += 1
+            w = w_all[m * b:(m + 1) * b]
+            ((per_sample * w).sum() / n_kept).backward()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self, end: int, *, fingerprint: str, ckpt_dir: Path, on_metrics: MetricsCallback | None,
+            progress: ProgressCallback | None, keep_steps: tuple[int, ...] = (), keep_dir: Path | None = None) -> None:
+        """Train steps ``[self.step, end)``; validate every ``eval_interval`` steps and at ``spec.steps``.
+
+        Rolling checkpoints every ``checkpoint_interval`` steps in ``ckpt_dir``; at each of
+        ``keep_steps`` a permanent one in ``keep_dir/<step>/`` (a WSD branch point). Stops early,
+        with ``self.diverged`` set, when a training or validation loss is not finite.
+        """
+        cfg, total = self.cfg, self.spec.steps
+        t_segment = time.perf_counter()
+        first_segment = True
+        segment_start = self.step
+        for step in range(self.step, end):
+            lr = lr_at(step, self.spec, cfg)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self._train_step(step)
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip, foreach=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            done = self.step = step + 1
+
+            is_eval = done % cfg.eval_interval == 0 or done == total
+            is_log = done % cfg.log_interval == 0 or is_eval or done == end
+            is_keep = done in keep_steps
+            is_ckpt = ((cfg.checkpoint_interval > 0 and done % cfg.checkpoint_interval == 0) or is_keep) and done < total
+            if is_log or is_ckpt:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                now = time.perf_counter()
+                self.train_time += now - t_segment
+                if not first_segment:
+                    self.timed_time += now - t_segment
+                    self.timed_steps += done - segment_start
+                first_segment = False
+                segment_start = done
+            if is_log:
+                train_loss = float(self.loss_sum) / max(self.loss_count, 1)
+                self.loss_sum.zero_()
+                self.loss_count = 0
+                metrics = {"train_loss": train_loss, "lr": lr, "tokens_per_s": self.tokens_per_s()}
+                point_val = None
+                if not math.isfinite(train_loss):
+                    self.diverged = f"training loss {train_loss} at step {done}"
+                elif is_eval:
+                    point_val = self.evaluate()
+                    metrics["val_loss"] = point_val
+                    if not math.isfinite(point_val):
+                        self.diverged = f"validation loss {point_val} at step {done}"
+                self.history.append((done, _finite_or_none(train_loss), _finite_or_none(point_val)))
+                if on_metrics is not None:
+                    on_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, done)
+                if self.diverged:
+                    return
+            if is_ckpt:
+                self.save(ckpt_dir, fingerprint)
+                if is_keep and keep_dir is not None:
+                    self.save(keep_dir / f"{done:08d}", fingerprint)
+            if is_log or is_ckpt:
+                t_segment = time.perf_counter()
+            if progress is not None:
+                progress(done, total)
+
+    def evaluate(self) -> float:
+        self.val_loss = evaluate_loss(self.model, self.val_tokens, self.cfg.seq_len, self.cfg.batch_size,
+                                      self.cfg.eval_tokens, self.device)
+        self.model.train()
+        return self.val_loss
+
+    def tokens_per_s(self) -> float:
+        if self.timed_time > 0:
+            return self.timed_steps * self.spec.tokens_per_step / self.timed_time
+        return self.step * self.spec.tokens_per_step / max(self.train_time, 1e-9)
+
+    def result(self) -> TrainResult:
+        spec, cfg = self.spec, self.cfg
+        d = spec.tokens_trained
+        available = self.sampler.n_windows * cfg.seq_len
+        peak = peak_flops(self.device)
+        tps = self.tokens_per_s()
+        val = None if self.diverged else self.val_loss
+        by_group = None
+        if val is not None and self.val_groups is not None:
+            by_group = val_loss_by_group(self.model, self.val_tokens, self.val_groups, cfg.seq_len,
+                                         cfg.batch_size, self.device)
+        return TrainResult(
+            name=spec.name, n_params=spec.n_params, n_params_total=spec.n_params_total, tokens=d, steps=spec.steps,
+            val_loss=val, ppl=math.exp(val) if val is not None else None, tokens_per_s=tps,
+            flops_per_token=spec.flops_per_token, flops_total=spec.flops_per_token * d,
+            wall_s=self.prior_wall + time.perf_counter() - self.t_start,
+            mfu=(spec.flops_per_token * tps / peak) if peak else None,
+            epochs=d / available, unique_tokens=min(d, available), train_tokens_available=available,
+            lr=spec.lr, schedule=cfg.schedule, shared_steps=spec.decay_start if cfg.schedule == "wsd" else 0,
+            compute_budget=spec.compute_budget, diverged=self.diverged is not None, diverged_reason=self.diverged,
+            val_loss_by_group=by_group, history=self.history,
+            repb_kept_frac=self.selector.kept_fraction if self.selector is not None else None,
+        )
+
+
+def val_loss_by_group(model: nn.Module, val_tokens: np.ndarray, val_groups: np.ndarray, seq_len: int,
+                      batch_size: int, device: torch.device) -> dict[str, dict[str, float]]:
+    """``{group: {"tokens": n, "val_loss": mean nats}}`` over every validation token (its source)."""
+    from tasks.evaluation.loss import loss_by_group, token_losses
+
+    losses = token_losses(model, val_tokens, seq_len, batch_size, None, device)
+    groups = np.asarray(val_groups)[1:len(losses) + 1]  # the scored targets are tokens[1 : M + 1]
+    return {str(k): {"tokens": int(n), "val_loss": float(v)} for k, (n, v) in loss_by_group(losses, groups).items()}
+
+
 def train_model(
     spec: RunSpec,
     cfg: TrainingConfig,
@@ -324,14 +560,21 @@ def train_model(
     on_metrics: MetricsCallback | None = None,
     progress: ProgressCallback | None = None,
     device: torch.device | str | None = None,
+    init_checkpoint: str | Path | None = None,
+    val_groups: np.ndarray | None = None,
 ) -> TrainResult:
     """Train ``spec`` on ``train_tokens`` (flat token stream, shape (n,)), validate on ``val_tokens``.
 
     Per optimizer step: ``grad_accum`` micro-batches of ``batch_size`` x ``seq_len`` tokens, mean
-    next-token cross-entropy (RePB-weighted when ``cfg.repb.enabled``), global-norm clipping,
-    AdamW (fused on CUDA) at :func:`lr_at`. bf16 autocast on CUDA, fp32 on CPU. Validation loss
-    (:func:`tasks.evaluation.loss.evaluate_loss` on the first ``eval_tokens``) every
-    ``eval_interval`` steps and at the end; the last one is the point's loss.
+    next-token cross-entropy (RePB-weighted over the whole step when ``cfg.repb.enabled``),
+    global-norm clipping, AdamW (fused on CUDA) at :func:`lr_at`. bf16 autocast on CUDA, fp32 on
+    CPU. Validation loss (:func:`tasks.evaluation.loss.evaluate_loss` on the first ``eval_tokens``)
+    every ``eval_interval`` steps and at the end; the last one is the point's loss.
+    ``val_groups`` (shape of ``val_tokens``, a label per token such as its source) adds the final
+    model's loss per label over every validation token (``val_loss_by_group``).
+
+    ``init_checkpoint`` (a WSD branch): when the run has no checkpoint of its own, start from this
+    stable-run checkpoint folder (its step must be ``spec.decay_start``) instead of step 0.
 
     ``on_metrics(metrics, step)`` gets ``train_loss``, ``lr``, ``tokens_per_s`` every
     ``log_interval`` steps, plus ``val_loss`` when evaluated; ``progress(step, total_steps)`` after
@@ -348,151 +591,102 @@ def train_model(
                              f"({stored.get('fingerprint')} != {fingerprint}); delete {out_dir} to retrain")
         return TrainResult.from_dict(stored)
 
-    if cfg.num_threads > 0:
-        previous_threads = torch.get_num_threads()
-        torch.set_num_threads(cfg.num_threads)
-        try:
-            return _train(spec, cfg, train_tokens, val_tokens, out_dir, fingerprint, on_metrics, progress, device)
-        finally:
-            torch.set_num_threads(previous_threads)
-    return _train(spec, cfg, train_tokens, val_tokens, out_dir, fingerprint, on_metrics, progress, device)
-
-
-def _train(spec: RunSpec, cfg: TrainingConfig, train_tokens: np.ndarray, val_tokens: np.ndarray, out_dir: Path,
-           fingerprint: str, on_metrics: MetricsCallback | None, progress: ProgressCallback | None,
-           device: torch.device | str | None) -> TrainResult:
-    result_path = out_dir / "result.json"
-    t_start = time.perf_counter()
-    device = _resolve_device(device)
-    for label, arr in (("train_tokens", train_tokens), ("val_tokens", val_tokens)):
-        if len(arr) and int(np.max(arr)) >= cfg.vocab_size:
-            raise ValueError(f"{label}: token id {int(np.max(arr))} >= vocab_size {cfg.vocab_size}")
-    sampler = WindowSampler(len(train_tokens), cfg.seq_len, cfg.seed)
-
-    model = build_model(spec.shape, cfg.vocab_size, cfg.seq_len, cfg.arch, cfg.seed).to(device)
-    model.train()
-    forward_model = torch.compile(model) if cfg.compile else model
-    optimizer = _optimizer(model, cfg, device)
-    selector = RePBSelector(cfg.repb) if cfg.repb.enabled else None
-    params = [p for p in model.parameters() if p.requires_grad]
-
+    trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device, val_groups)
     ckpt_dir = out_dir / "checkpoint"
     config_path = out_dir / "config.json"
     if config_path.exists() and read_json(config_path).get("fingerprint") != fingerprint:
         raise ValueError(f"{config_path}: an unfinished run of a different config or spec is in "
                          f"{out_dir}; delete it to retrain")
-    write_json(config_path, _config_record(spec, cfg, model, fingerprint))
-
-    start_step = 0
-    history: list[tuple[int, float, float | None]] = []
-    train_time = 0.0  # seconds in training steps (not eval, not checkpoint), over all attempts
-    prior_wall = 0.0  # wall seconds of earlier, interrupted attempts
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # train loss since the last log point
-    loss_count = 0
-    val_loss: float | None = None
-    loaded = load_checkpoint(ckpt_dir, model, optimizer)
-    if loaded is not None:
-        meta, others = loaded
-        if meta.get("fingerprint") != fingerprint:
-            raise ValueError(f"{ckpt_dir}: checkpoint of a different config or spec; delete it to retrain")
-        start_step = int(meta["step"])
-        history = [tuple(h) for h in meta["history"]]
-        train_time = float(meta["train_time_s"])
-        prior_wall = float(meta["wall_s"])
-        loss_sum.fill_(float(meta["loss_sum"]))
-        loss_count = int(meta["loss_count"])
-        val_loss = meta["val_loss"]
-        if selector is not None:
-            selector.load_state(others, meta["repb"])
-
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
-    b, accum, total = cfg.batch_size, cfg.grad_accum, spec.steps
-    t_segment = time.perf_counter()
-    for step in range(start_step, total):
-        lr = lr_at(step, total, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        for micro in range(accum):
-            ids, x, y = sampler.batch(train_tokens, (step * accum + micro) * b, b)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast:
-                logits = forward_model(input_ids=x, use_cache=False).logits
-            if selector is None:
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-                loss_sum += loss.detach()
-                (loss / accum).backward()
-            else:
-                per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                            reduction="none").view(y.shape)
-                per_sample = per_token.mean(dim=1)
-                loss_sum += per_sample.detach().mean()  # the unpruned batch loss, comparable across runs
-                (selector.weighted_loss(per_sample, ids) / accum).backward()
-            loss_count += 1
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        done = step + 1
-
-        is_eval = done % cfg.eval_interval == 0 or done == total
-        is_log = done % cfg.log_interval == 0 or is_eval
-        is_ckpt = cfg.checkpoint_interval > 0 and done % cfg.checkpoint_interval == 0 and done < total
-        if is_log or is_ckpt:
-            now = time.perf_counter()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                now = time.perf_counter()
-            train_time += now - t_segment
-            t_segment = now
-        if is_log:
-            train_loss = float(loss_sum) / max(loss_count, 1)
-            loss_sum.zero_()
-            loss_count = 0
-            metrics = {"train_loss": train_loss, "lr": lr, "tokens_per_s": done * spec.tokens_per_step / max(train_time, 1e-9)}
-            point_val = None
-            if is_eval:
-                val_loss = evaluate_loss(model, val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens, device)
-                point_val = val_loss
-                metrics["val_loss"] = val_loss
-                model.train()
-            history.append((done, train_loss, point_val))
-            if on_metrics is not None:
-                on_metrics(metrics, done)
-        if is_ckpt:
-            meta = {
-                "fingerprint": fingerprint, "steps": total, "lr": lr, "history": [list(h) for h in history],
-                "train_time_s": train_time, "wall_s": prior_wall + time.perf_counter() - t_start,
-                "loss_sum": float(loss_sum), "loss_count": loss_count, "val_loss": val_loss,
-                "repb": selector.state_scalars() if selector is not None else None,
-            }
-            save_checkpoint(ckpt_dir, done, model, optimizer, meta,
-                            selector.state_tensors() if selector is not None else None)
-        if is_log or is_ckpt:
-            t_segment = time.perf_counter()
-        if progress is not None:
-            progress(done, total)
-
-    if val_loss is None:  # unreachable while the last step always evaluates; kept as a guard
-        val_loss = evaluate_loss(model, val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens, device)
-
-    with atomic_path(out_dir / "model.safetensors") as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp),
-                  metadata={"format": "pt", "name": spec.name})
-    flops = model_flops_per_token(spec.shape, cfg.seq_len, cfg.vocab_size, cfg.arch)
-    d = spec.tokens_trained
-    tokens_per_s = d / max(train_time, 1e-9)
-    peak = peak_flops(device)
-    result = TrainResult(
-        name=spec.name, n_params=spec.n_params, tokens=d, steps=total, val_loss=val_loss,
-        ppl=math.exp(val_loss), tokens_per_s=tokens_per_s, flops_6nd=flops.dense * d,
-        flops_attn=flops.attention * d, wall_s=prior_wall + time.perf_counter() - t_start,
-        mfu=(flops.total * tokens_per_s / peak) if peak else None, history=history,
-        repb_kept_frac=selector.kept_fraction if selector is not None else None,
-    )
+    write_json(config_path, _config_record(spec, cfg, trainer.model, fingerprint))
+    if not trainer.restore(ckpt_dir, fingerprint, "run") and init_checkpoint is not None:
+        if not trainer.restore(Path(init_checkpoint), stable_fingerprint(spec, cfg), "stable-run"):
+            raise FileNotFoundError(f"{init_checkpoint}: no stable-run checkpoint to branch {spec.name} from")
+        if trainer.step != spec.decay_start:
+            raise ValueError(f"{init_checkpoint}: stable checkpoint at step {trainer.step}, but {spec.name} "
+                             f"branches at step {spec.decay_start}")
+    trainer.run(spec.steps, fingerprint=fingerprint, ckpt_dir=ckpt_dir, on_metrics=on_metrics, progress=progress)
+    if trainer.val_loss is None and not trainer.diverged:  # unreachable while the last step evaluates; a guard
+        trainer.evaluate()
+    result = trainer.result()
+    if not trainer.diverged:
+        with atomic_path(out_dir / "model.safetensors") as tmp:
+            save_file({k: v.detach().cpu().contiguous() for k, v in trainer.model.state_dict().items()}, str(tmp),
+                      metadata={"format": "pt", "name": spec.name})
     write_json(result_path, {**result.to_dict(), "fingerprint": fingerprint})
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return result
+
+
+def train_stable(spec: RunSpec, cfg: TrainingConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
+                 stable_dir: str | Path, branch_points: list[int], *, progress: ProgressCallback | None = None,
+                 device: torch.device | str | None = None) -> Path:
+    """The stable phase of one size under WSD: train to the last of ``branch_points`` at constant lr.
+
+    ``spec`` is the size's longest budget (its schedule before any branch point is every budget's).
+    Keeps a checkpoint at each branch point in ``stable_dir/branches/<step>/`` and writes
+    ``stable_dir/stable.json`` when done; resumes from ``stable_dir/checkpoint``. Returns
+    ``stable_dir/branches``.
+    """
+    stable_dir = Path(stable_dir)
+    fingerprint = stable_fingerprint(spec, cfg)
+    branches = stable_dir / "branches"
+    marker = stable_dir / "stable.json"
+    points = tuple(sorted(set(branch_points)))
+    if marker.exists():
+        done = read_json(marker)
+        if (done.get("fingerprint") == fingerprint and set(points) <= set(done.get("branch_points", []))
+                and all(_checkpoint_files(branches / f"{p:08d}") for p in points)):
+            return branches
+    trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device)
+    ckpt_dir = stable_dir / "checkpoint"
+    trainer.restore(ckpt_dir, fingerprint, "stable-run")
+    # a branch point already passed by a checkpoint from an older ladder is not in branches/: restart
+    if any(p <= trainer.step and not _checkpoint_files(branches / f"{p:08d}") for p in points):
+        trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device)
+    trainer.run(points[-1], fingerprint=fingerprint, ckpt_dir=ckpt_dir, on_metrics=None, progress=progress,
+                keep_steps=points, keep_dir=branches)
+    if trainer.diverged:
+        raise FloatingPointError(f"{stable_dir}: the stable run diverged ({trainer.diverged})")
+    write_json(marker, {"fingerprint": fingerprint, "branch_points": list(points), "steps": trainer.step,
+                        "tokens": trainer.step * spec.tokens_per_step,
+                        "flops": trainer.step * spec.tokens_per_step * spec.flops_per_token,
+                        "wall_s": trainer.prior_wall + time.perf_counter() - trainer.t_start})
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    return branches
+
+
+def train_size_wsd(specs: list[RunSpec], cfg: TrainingConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
+                   out_dirs: list[str | Path], stable_dir: str | Path, *,
+                   on_metrics: Callable[[RunSpec], MetricsCallback | None] | None = None,
+                   progress: Callable[[RunSpec], ProgressCallback | None] | None = None,
+                   device: torch.device | str | None = None, val_groups: np.ndarray | None = None,
+                   keep_stable: bool = False) -> list[TrainResult]:
+    """Every budget of one size under WSD: one stable run, then a cooldown branch per budget.
+
+    ``specs`` (one shape) and ``out_dirs`` pair up. Branches whose result exists are skipped; when
+    all are done the stable run's checkpoints are removed (``keep_stable`` keeps them).
+    Returns the results in the order of ``specs``.
+    """
+    if len({s.size for s in specs}) != 1:
+        raise ValueError(f"train_size_wsd: one size at a time, got {sorted({s.size for s in specs})}")
+    if cfg.schedule != "wsd":
+        raise ValueError(f"train_size_wsd needs schedule: wsd, got {cfg.schedule!r}")
+    todo = [s for s, d in zip(specs, out_dirs) if not (Path(d) / "result.json").exists()]
+    branches = None
+    if todo:
+        longest = max(specs, key=lambda s: s.steps)
+        branches = train_stable(longest, cfg, train_tokens, val_tokens, stable_dir, stable_steps(todo),
+                                progress=progress(longest) if progress else None, device=device)
+    results = []
+    for spec, out_dir in zip(specs, out_dirs):
+        init = branches / f"{spec.decay_start:08d}" if branches is not None else None
+        results.append(train_model(spec, cfg, train_tokens, val_tokens, out_dir, init_checkpoint=init,
+                                   on_metrics=on_metrics(spec) if on_metrics else None,
+                                   progress=progress(spec) if progress else None, device=device,
+                                   val_groups=val_groups))
+    if not keep_stable:
+        shutil.rmtree(Path(stable_dir) / "branches", ignore_errors=True)
+    return results
 
 
 def load_model(out_dir: str | Path, device: torch.device | str = "cpu") -> tuple[nn.Module, dict[str, Any]]:

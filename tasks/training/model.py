@@ -2,9 +2,17 @@
 
 Choices, the same for every rung:
 
-* **Untied** input embedding and LM head. The scaling-law N (Kaplan et al. 2020, Hoffmann et al.
-  2022) counts non-embedding parameters; with untied weights the head is a separate matrix that is
-  excluded the same way as the embedding, and small rungs do not get a free "shared" head.
+* **Untied** input embedding and LM head, so small rungs do not get a free "shared" head.
+* **Parameter counts, both recorded** (:func:`parameter_counts`): ``total`` counts every weight,
+  embedding and head included, as Hoffmann et al. 2022 and Epoch AI do; ``non_embedding`` leaves
+  out the token embedding and the LM head, as Kaplan et al. 2020 do. At the demo's widths the
+  embedding and head are a large, size-dependent share of the model, and Pearce & Song 2024 /
+  Porian et al. 2024 trace much of the Kaplan–Chinchilla disagreement to exactly this choice; the
+  fit stage's ``n_definition`` picks one (default ``total``).
+* **One FLOPs definition** (:func:`model_flops_per_token`): training FLOPs per token
+  ``6 * N_total + 12 * n_layers * seq_len * d_model`` — PaLM's (Chowdhery et al. 2022, App. B)
+  ``6N + 12 L H Q T`` with ``H Q = d_model``, the embedding and head counted in N as matmuls.
+  The same number is MFU's numerator, MLflow's ``flops`` and the fit stage's C.
 * Llama: RMSNorm, SwiGLU MLP (width from :class:`ModelShape`), RoPE (theta 10,000), no biases,
   no dropout, std-0.02 normal init (`transformers`' ``_init_weights``), SDPA attention.
 * xLSTM (``arch="xlstm"``, mLSTM blocks of `transformers`' ``xLSTMForCausalLM``): ``qk_dim_factor=1``
@@ -119,8 +127,22 @@ def non_embedding_params(model: nn.Module) -> int:
     return n
 
 
-def count_non_embedding_params(shape: ModelShape, vocab_size: int, arch: Arch = "llama", seq_len: int = 128) -> int:
-    """N of a rung without allocating it (built on the meta device)."""
+def total_params(model: nn.Module) -> int:
+    """Every parameter, shared ones once (Hoffmann et al. 2022 count N this way)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+class ParamCounts(NamedTuple):
+    total: int
+    non_embedding: int
+
+
+def parameter_counts(shape: ModelShape, vocab_size: int, arch: Arch = "llama", seq_len: int = 128) -> ParamCounts:
+    """Total and non-embedding parameters of a rung without allocating it (built on the meta device).
+
+    >>> parameter_counts(ModelShape(d_model=32, n_layers=2, n_heads=2), 512)
+    ParamCounts(total=59552, non_embedding=26784)
+    """
     config = hf_config(shape, vocab_size, seq_len, arch)
     with torch.device("meta"):
         if arch == "llama":
@@ -131,16 +153,22 @@ def count_non_embedding_params(shape: ModelShape, vocab_size: int, arch: Arch = 
             from transformers import xLSTMForCausalLM
 
             model = xLSTMForCausalLM(config)
-    return non_embedding_params(model)
+    return ParamCounts(total=total_params(model), non_embedding=non_embedding_params(model))
+
+
+def count_non_embedding_params(shape: ModelShape, vocab_size: int, arch: Arch = "llama", seq_len: int = 128) -> int:
+    """Non-embedding N of a rung (Kaplan et al.'s count)."""
+    return parameter_counts(shape, vocab_size, arch, seq_len).non_embedding
 
 
 class FlopsPerToken(NamedTuple):
-    """Training FLOPs per token, split the way the scaling-law papers count them.
+    """Training FLOPs per token under scalelab's one convention (PaLM, Chowdhery et al. 2022, App. B).
 
-    ``dense = 6N`` (Kaplan et al. 2020, Table 1: 2N forward + 4N backward);
-    ``attention = 6 * n_layers * seq_len * d_model`` (Kaplan's ``2 n_layer n_ctx d_attn`` forward
-    term, times 3 for training; 0 for xLSTM, whose chunkwise recurrence is linear in ``seq_len``);
-    ``lm_head = 6 * d_model * vocab`` (the head matmul that Chinchilla, App. F, counts and 6N omits).
+    ``dense = 6 * N_total`` (2N forward + 4N backward over every weight, embedding and head
+    included); ``attention = 12 * n_layers * seq_len * d_model`` (PaLM's ``12 L H Q T``: the
+    QK^T and AV matmuls, forward and backward; 0 for xLSTM, whose recurrence is linear in
+    ``seq_len``). ``lm_head = 6 * d_model * vocab`` is the part of ``dense`` spent in the head,
+    kept for reference (Chinchilla App. F counts it; 6 * N_non_embedding omits it).
     """
 
     dense: float
@@ -149,31 +177,48 @@ class FlopsPerToken(NamedTuple):
 
     @property
     def total(self) -> float:
-        return self.dense + self.attention + self.lm_head
+        return self.dense + self.attention
 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int, vocab: int, arch: Arch = "llama") -> FlopsPerToken:
-    """Training FLOPs per token of one rung; multiply by D for a run's C (``6ND`` is ``.dense * D``).
+    """Training FLOPs per token of one rung; a run's C is ``.total * D``.
 
     >>> f = model_flops_per_token(ModelShape(d_model=64, n_layers=2, n_heads=4), 128, 512)
-    >>> f.attention == 6 * 2 * 128 * 64
+    >>> f.attention == 12 * 2 * 128 * 64
     True
     """
-    n = count_non_embedding_params(shape, vocab, arch, seq_len)
-    attention = 6.0 * shape.n_layers * seq_len * shape.d_model if arch == "llama" else 0.0
+    n = parameter_counts(shape, vocab, arch, seq_len).total
+    attention = 12.0 * shape.n_layers * seq_len * shape.d_model if arch == "llama" else 0.0
     return FlopsPerToken(dense=6.0 * n, attention=attention, lm_head=6.0 * shape.d_model * vocab)
 
 
 # Dense bf16 tensor-core peaks (no sparsity), from NVIDIA's datasheets; MFU is left missing elsewhere.
+# Matched as whole words of the device name, longest first, so an L40 is not taken for an L4.
 _PEAK_BF16_FLOPS = {
+    "H100 PCIe": 756e12,
     "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe card is 756e12, matched first below
+    "H100": 989e12,  # SXM
     "A100": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "A10G": 70e12,
     "L4": 121e12,
     "4090": 165e12,
 }
+
+
+def peak_flops_for_name(name: str) -> float | None:
+    """Peak dense bf16 FLOP/s for a CUDA device name, or None when the name is not in the table.
+
+    >>> peak_flops_for_name("NVIDIA L40"), peak_flops_for_name("NVIDIA L4")
+    (181000000000000.0, 121000000000000.0)
+    """
+    import re
+
+    for key in sorted(_PEAK_BF16_FLOPS, key=len, reverse=True):
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name):
+            return _PEAK_BF16_FLOPS[key]
+    return None
 
 
 def peak_flops(device: torch.device | str) -> float | None:
@@ -181,10 +226,4 @@ def peak_flops(device: torch.device | str) -> float | None:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name(device)
-    if "H100" in name and "PCIe" in name:
-        return 756e12
-    for key, value in _PEAK_BF16_FLOPS.items():
-        if key in name:
-            return value
-    return None
+    return peak_flops_for_name(torch.cuda.get_device_name(device))

@@ -10,8 +10,8 @@ import torch
 from training_fixtures import markov_tokens, tiny_config
 
 from tasks.evaluation.loss import evaluate_loss
-from tasks.training.loop import (TrainResult, WindowSampler, ladder, load_model, lr_at, train_model,
-                                 warmup_steps)
+from tasks.training.design import cosine_warmup_steps
+from tasks.training.loop import TrainResult, WindowSampler, ladder, load_model, lr_at, train_model
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +57,10 @@ def test_result_fields_and_callbacks(trained):
     cfg, spec, out, result, calls, progress = trained
     assert result.steps == spec.steps == 32 and result.tokens == 32 * 4 * 32
     assert result.n_params == spec.n_params == 13408
-    assert result.flops_6nd == 6 * result.n_params * result.tokens
-    assert result.flops_attn == 6 * 1 * 32 * 32 * result.tokens
+    assert result.n_params_total == 13408 + 2 * 256 * 32  # untied embedding and head
+    assert result.flops_total == (6 * result.n_params_total + 12 * 1 * 32 * 32) * result.tokens
+    assert result.epochs == pytest.approx(result.tokens / (((50_000 - 32) // 32) * 32))
+    assert result.unique_tokens == result.tokens and not result.diverged
     assert result.mfu is None and result.tokens_per_s > 0 and result.wall_s > 0
     assert [s for s, _ in calls] == [4, 8, 12, 16, 20, 24, 28, 32]
     assert all({"train_loss", "lr", "tokens_per_s"} <= set(m) for _, m in calls)
@@ -101,14 +103,17 @@ def test_token_ids_beyond_vocab_rejected(data, tmp_path):
 
 def test_lr_schedule_warmup_then_cosine_to_min():
     cfg = tiny_config(lr=1e-3, warmup_frac=0.1, min_lr_ratio=0.1)
-    lrs = [lr_at(s, 100, cfg) for s in range(100)]
-    assert warmup_steps(100, 0.1) == 10
+    spec = dataclasses.replace(ladder(cfg)[0], steps=100, warmup_steps=cosine_warmup_steps(100, 0.1), lr=1e-3)
+    lrs = [lr_at(s, spec, cfg) for s in range(100)]
+    assert cosine_warmup_steps(100, 0.1) == 10
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # monotone decay after warmup
     assert lrs[-1] == pytest.approx(1e-4)
     assert lrs[10 + 89 // 2] == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 44 / 89)))
     # each run's schedule spans its own length
-    assert lr_at(9, 10, cfg) == pytest.approx(1e-4) and lr_at(1, 1, cfg) == pytest.approx(1e-4)
+    short = dataclasses.replace(spec, steps=10, warmup_steps=cosine_warmup_steps(10, 0.1))
+    single = dataclasses.replace(spec, steps=1, warmup_steps=cosine_warmup_steps(1, 0.1))
+    assert lr_at(9, short, cfg) == pytest.approx(1e-4) and lr_at(0, single, cfg) == pytest.approx(1e-4)
 
 
 def test_sampler_reproducible_and_epoch_is_a_permutation():

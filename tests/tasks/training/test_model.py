@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from tasks.training.config import ModelShape
-from tasks.training.model import (build_model, count_non_embedding_params, model_flops_per_token,
-                                  non_embedding_params, peak_flops)
+from tasks.training.model import (build_model, count_non_embedding_params, hf_config, model_flops_per_token,
+                                  non_embedding_params, parameter_counts, peak_flops, peak_flops_for_name,
+                                  total_params)
 
 SHAPE = ModelShape(d_model=64, n_layers=2, n_heads=4)
 
@@ -49,13 +50,43 @@ def test_forward_shape_and_untied_head():
     assert out.shape == (2, 17, 256)
 
 
-def test_flops_per_token():
+def test_parameter_and_flops_counts_by_hand():
+    """d64 l2 h4, vocab 512, T 128, counted by hand: per layer q,k,v,o 4*64^2 = 16,384, SwiGLU
+    3*64*192 = 36,864 (192 = 32*ceil(8/3*64/32)), two RMSNorm gains 128 -> 53,376; two layers and
+    the final norm 106,816; the untied embedding and head 2*512*64 = 65,536 more."""
+    counts = parameter_counts(SHAPE, 512, seq_len=128)
+    assert counts == (106_816 + 65_536, 106_816)
     f = model_flops_per_token(SHAPE, 128, 512)
-    assert f.dense == 6 * llama_non_embedding(SHAPE)
-    assert f.attention == 6 * 2 * 128 * 64
+    assert f.dense == 6 * 172_352  # every weight, embedding and head included (PaLM's 6N)
+    assert f.attention == 12 * 2 * 128 * 64  # PaLM's 12 L H Q T with H Q = d_model
+    assert f.total == 1_034_112 + 196_608
     assert f.lm_head == 6 * 64 * 512
-    assert f.total == f.dense + f.attention + f.lm_head
     assert peak_flops("cpu") is None
+
+
+def test_tied_head_is_counted_once():
+    """A tied head shares the embedding matrix: total counts it once (d32 l1 h2, vocab 300:
+    4*32^2 + 3*32*96 + 64 + 32 = 13,408 non-embedding, + 300*32 shared)."""
+    from transformers import LlamaForCausalLM
+
+    shape = ModelShape(d_model=32, n_layers=1, n_heads=2)
+    config = hf_config(shape, 300, 32)
+    config.tie_word_embeddings = True
+    model = LlamaForCausalLM(config)
+    model.tie_weights()
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert total_params(model) == 13_408 + 300 * 32
+    assert non_embedding_params(model) == 13_408
+    untied = parameter_counts(shape, 300, seq_len=32)
+    assert untied == (13_408 + 2 * 300 * 32, 13_408)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA L4", 121e12), ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12), ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla T4", None),
+])
+def test_peak_flops_table_matches_names_exactly(name, peak):
+    assert peak_flops_for_name(name) == peak
 
 
 def test_xlstm_builds_and_trains_one_step():
