@@ -69,11 +69,21 @@ class ModelShape:
 class RePBConfig:
     """RePB dynamic data pruning (see :mod:`tasks.training.repb` for the method and each choice).
 
-    ``window``: number of recent batches whose loss scores form the comparison pool (the model
-    changes little across them: the "near-constant model state"). ``keep_ratio``: fraction of
-    samples whose loss is back-propagated. ``prior``: pseudo-count of the selection-frequency
-    estimate (a sample never seen before gets frequency ``keep_ratio``). ``weight_min``/``weight_max``
-    clip the temporal rescaling weight ``keep_ratio / frequency``.
+    Selection is per optimizer step (all its micro-batches together). ``window``: number of recent
+    steps whose normalised loss scores form the comparison pool (1 = the step alone).
+    ``score_norm``: how each step's scores are made comparable with older steps' although the loss
+    falls — ``zscore`` (subtract the step's mean, divide by its std), ``center`` (subtract the mean
+    only), ``rank`` (within-step rank in [0, 1]; with equal step sizes the pool then adds nothing
+    and selection is the step's top ``keep_ratio``), ``none`` (raw losses, the drifting form).
+    ``keep_ratio``: fraction of samples whose loss is back-propagated.
+
+    Cumulative temporal rescaling: ``frequency_regions`` splits the sample ids (windows of the token
+    stream, in stream order) into that many contiguous regions sharing one selection-frequency
+    estimate, so the estimate builds up within a single epoch; 0 tracks each sample alone (the
+    paper's per-sample form, which only acts once samples repeat, i.e. from the second epoch).
+    ``prior``: pseudo-count of the frequency estimate (a region or sample not yet seen gets
+    frequency ``keep_ratio``, weight 1). ``weight_min``/``weight_max`` clip the weight
+    ``keep_ratio / frequency``.
 
     ``enabled`` prunes every run of the ladder. ``compare`` names data variants whose ladder is
     instead trained twice, at equal optimizer steps, without and with RePB (the method's own
@@ -84,7 +94,10 @@ class RePBConfig:
     enabled: bool = False
     compare: tuple[str, ...] = ()
     window: int = 8
+    score_norm: Literal["zscore", "center", "rank", "none"] = "zscore"
     keep_ratio: float = 0.7
+    # 16 regions: a ci run (~256 samples) visits each ~16 times, so the estimate has data to act on.
+    frequency_regions: int = 16
     prior: float = 1.0
     weight_min: float = 0.5
     weight_max: float = 2.0
@@ -94,6 +107,10 @@ class RePBConfig:
                 "set either enabled (prune every run) or compare (variants trained with and without RePB)")
         require(len(set(self.compare)) == len(self.compare), "repb.compare", f"has duplicates: {self.compare}")
         require(self.window >= 1, "repb.window", f"must be >= 1, got {self.window}")
+        require(self.score_norm in ("zscore", "center", "rank", "none"), "repb.score_norm",
+                f"must be zscore, center, rank or none, got {self.score_norm!r}")
+        require(self.frequency_regions >= 0, "repb.frequency_regions",
+                f"must be >= 0 (0: per sample), got {self.frequency_regions}")
         require(0.0 < self.keep_ratio <= 1.0, "repb.keep_ratio", f"must be in (0, 1], got {self.keep_ratio}")
         require(self.prior > 0, "repb.prior", f"must be positive, got {self.prior}")
         require(0 < self.weight_min <= 1.0 <= self.weight_max, "repb.weight_min",
@@ -102,12 +119,28 @@ class RePBConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
-    """Everything the train stage needs: the ladder (sizes x token_budgets) and one recipe for all rungs.
+    """Everything the train stage needs: the ladder's design and one recipe for all rungs.
 
-    Each run's step count is ``round(tokens / (batch_size * grad_accum * seq_len))`` and its
-    learning-rate schedule (linear warmup over ``warmup_frac`` of its steps, cosine decay to
-    ``lr * min_lr_ratio``) is stretched over its own step count, as Chinchilla prescribes
-    (a cosine cycle longer than the run overestimates the loss; Hoffmann et al. 2022, Fig. A1).
+    **Design.** Either a grid — every size x every ``token_budgets`` entry — or an IsoFLOP design:
+    ``compute_budgets`` (training FLOPs, :func:`tasks.training.model.model_flops_per_token`
+    convention) with ``sizes_per_budget`` sizes per budget, chosen from ``sizes`` around the
+    expected optimum ``tokens_per_param_guess`` and trained on ``D = C / flops_per_token(N)``
+    (``C / 6N`` when attention is negligible), so Approach 2 sees a parabola at every level and
+    Approach 3 a wide band of tokens per parameter (:func:`tasks.training.design.ladder`).
+
+    **Schedule.** ``schedule: wsd`` (warmup-stable-decay; Hägele et al. 2024, MiniCPM): linear
+    warmup over ``warmup_steps`` (None: ``warmup_frac`` of the ladder's shortest run, so every
+    budget of a size shares it), constant ``lr``, then a cooldown over the last ``cooldown_frac``
+    of the run's steps to 0 (``cooldown_shape`` linear or ``1-sqrt``). Each size trains one stable
+    run, and each budget is a cooldown branch from the stable run's checkpoint at the start of its
+    cooldown: a properly annealed run per (N, D) for about ``max(D) * (1 + cooldown_frac)`` tokens
+    per size instead of ``sum(D)``. ``schedule: cosine`` trains each point as its own run (linear
+    warmup over ``warmup_frac``, cosine to ``lr * min_lr_ratio``), as Chinchilla prescribes.
+
+    **Learning rate per width.** ``lr`` applies at width ``lr_ref_width`` (None: the smallest
+    ``d_model`` of ``sizes``); a rung of width d trains at ``lr * (lr_ref_width / d) **
+    lr_width_exponent`` (0 = one lr for all). ``scalelab lr-sweep`` measures the best lr at the
+    smallest and largest size and writes both fields into params/training.yaml.
     """
 
     vocab_size: int = 4096  # the tokenizer's size; the tokenizer is trained to exactly this
@@ -115,7 +148,16 @@ class TrainingConfig:
     # A list, not a name->shape mapping: presets replace lists whole but merge mappings key by key.
     # Each rung is named by its shape tag (d64_l2).
     sizes: tuple[ModelShape, ...]
-    token_budgets: tuple[int, ...]
+    token_budgets: tuple[int, ...] = ()
+    compute_budgets: tuple[float, ...] = ()  # IsoFLOP design instead of token_budgets (FLOPs)
+    sizes_per_budget: int = 3
+    tokens_per_param_guess: float = 20.0  # where each budget's sizes are centred (Chinchilla's ~20)
+    schedule: Literal["wsd", "cosine"] = "cosine"
+    cooldown_frac: float = 0.2
+    cooldown_shape: Literal["linear", "1-sqrt"] = "linear"
+    warmup_steps: int | None = None  # wsd: None = warmup_frac of the ladder's shortest run
+    lr_ref_width: int | None = None
+    lr_width_exponent: float = 0.0
     arch: Literal["llama", "xlstm"] = "llama"
     batch_size: int = 16  # sequences per micro-batch
     grad_accum: int = 1
@@ -131,7 +173,8 @@ class TrainingConfig:
     checkpoint_interval: int = 200  # steps between resumable checkpoints; 0 disables them
     seed: int = 0
     compile: bool = False  # torch.compile the model (worth it on GPU for the larger rungs)
-    # torch intra-op threads while a run trains (restored afterwards); 0 leaves torch's setting.
+    # torch intra-op threads of each training process (set once per process by the train flow or
+    # a Ray worker, never toggled inside a task); 0 leaves torch's setting.
     # Tiny models on a busy 2-core machine run several times faster on 1 thread.
     num_threads: int = 0
     variants: tuple[str, ...] = ()  # curated variants to train; empty = every variant
@@ -145,10 +188,28 @@ class TrainingConfig:
                 "every item must be a ModelShape")
         tags = [s.tag for s in self.sizes]
         require(len(set(tags)) == len(tags), "sizes", f"two sizes share a d_model/n_layers tag: {tags}")
-        require(len(self.token_budgets) > 0, "token_budgets", "needs at least one budget")
+        require(bool(self.token_budgets) != bool(self.compute_budgets), "token_budgets",
+                "set exactly one of token_budgets (a sizes x tokens grid) and compute_budgets (an IsoFLOP "
+                f"design); got token_budgets={self.token_budgets}, compute_budgets={self.compute_budgets}")
         require(all(t > 0 for t in self.token_budgets), "token_budgets", f"must be positive, got {self.token_budgets}")
         require(len(set(self.token_budgets)) == len(self.token_budgets), "token_budgets",
                 f"has duplicates: {self.token_budgets}")
+        require(all(c > 0 and math.isfinite(c) for c in self.compute_budgets), "compute_budgets",
+                f"must be positive finite FLOPs, got {self.compute_budgets}")
+        require(len(set(self.compute_budgets)) == len(self.compute_budgets), "compute_budgets",
+                f"has duplicates: {self.compute_budgets}")
+        require(not self.compute_budgets or 1 <= self.sizes_per_budget <= len(self.sizes), "sizes_per_budget",
+                f"must be in [1, len(sizes)={len(self.sizes)}], got {self.sizes_per_budget}")
+        require(self.tokens_per_param_guess > 0, "tokens_per_param_guess",
+                f"must be positive, got {self.tokens_per_param_guess}")
+        require(self.schedule in ("wsd", "cosine"), "schedule", f"must be 'wsd' or 'cosine', got {self.schedule!r}")
+        require(0.0 < self.cooldown_frac <= 1.0, "cooldown_frac", f"must be in (0, 1], got {self.cooldown_frac}")
+        require(self.cooldown_shape in ("linear", "1-sqrt"), "cooldown_shape",
+                f"must be 'linear' or '1-sqrt', got {self.cooldown_shape!r}")
+        require(self.warmup_steps is None or self.warmup_steps >= 0, "warmup_steps",
+                f"must be >= 0 or null, got {self.warmup_steps}")
+        require(self.lr_ref_width is None or self.lr_ref_width > 0, "lr_ref_width",
+                f"must be positive or null, got {self.lr_ref_width}")
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         require(self.grad_accum >= 1, "grad_accum", f"must be >= 1, got {self.grad_accum}")
         require(self.lr > 0, "lr", f"must be positive, got {self.lr}")
@@ -169,3 +230,8 @@ class TrainingConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.grad_accum * self.seq_len
+
+    def lr_for(self, shape: ModelShape) -> float:
+        """The peak learning rate of a rung: ``lr * (lr_ref_width / d_model) ** lr_width_exponent``."""
+        ref = self.lr_ref_width if self.lr_ref_width is not None else min(s.d_model for s in self.sizes)
+        return self.lr * (ref / shape.d_model) ** self.lr_width_exponent
