@@ -8,6 +8,9 @@ val are collapsed), so no variant can train on its evaluation text.
 
 The split is a hash of ``(seed, id)``: a document's side never depends on which
 other documents or sources are present, so adding a source does not reshuffle val.
+Train keeps ingestion order; val is written in the order of a second hash of ``(seed, id)``,
+so any prefix of the validation token stream (evaluation reads the first ``eval_tokens``)
+is a uniform sample of val that mixes every source, instead of the first source read.
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def prepare_corpus(cfg: PrepareConfig) -> PreparedCorpus:
     assign val where ``u = hash(seed, id) < val_fraction`` (keeping the ``val_docs``
     smallest ``u`` when capped); then for each normalised text that occurs in val,
     keep only its smallest-``u`` val copy and move every other copy (train or val)
-    to quarantine as ``duplicate_of_val``.
+    to quarantine as ``duplicate_of_val``. Train is returned in ingestion order; val in
+    ``hash("val_order:<seed>", id)`` order (stable, source-mixed; see the module docstring).
     """
     docs_parts, q_parts = [], []
     for spec in cfg.sources:
@@ -179,6 +183,8 @@ def prepare_corpus(cfg: PrepareConfig) -> PreparedCorpus:
         split_hash(docs["id"], cfg.seed).alias("_u"),
         split_hash(docs["id"], f"cap:{cfg.seed}").alias("_cap"),
         pl.int_range(pl.len()).alias("_order"),
+        # Its own salt: the val order is independent of the split and cap draws.
+        split_hash(docs["id"], f"val_order:{cfg.seed}").alias("_val_order"),
     )
     capped = 0
     if cfg.max_docs_per_source is not None:
@@ -209,7 +215,7 @@ def prepare_corpus(cfg: PrepareConfig) -> PreparedCorpus:
 
     cols = list(DOC_SCHEMA)
     train = docs.filter(~pl.col("_val")).sort("_order").select(cols)
-    val = docs.filter(pl.col("_val")).sort("_order").select(cols)
+    val = docs.filter(pl.col("_val")).sort("_val_order", "id").select(cols)
 
     per_source = {}
     for src in sorted(set(train["source"].to_list()) | set(val["source"].to_list())):
