@@ -1,0 +1,140 @@
+"""WSD schedule, cooldown branches from a stable run, and the IsoFLOP design."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from training_fixtures import markov_tokens, tiny_config
+
+from tasks.training.config import ModelShape
+from tasks.training.design import isoflop_points, ladder, lr_at, stable_steps
+from tasks.training.loop import train_model, train_size_wsd
+from tasks.training.model import model_flops_per_token
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def data():
+    d = markov_tokens(60_000)
+    return d[:50_000], d[50_000:]
+
+
+def wsd_config(**overrides):
+    base = dict(schedule="wsd", token_budgets=(2048, 4096), cooldown_frac=0.25, warmup_steps=2, lr=3e-3,
+                eval_interval=8, checkpoint_interval=4)
+    return tiny_config(**(base | overrides))
+
+
+def test_wsd_lr_values_and_branch_points():
+    cfg = wsd_config(token_budgets=(1280, 2560), cooldown_frac=0.2, warmup_steps=2)
+    short, long = ladder(cfg)  # 10 and 20 steps of 128 tokens
+    assert (short.steps, long.steps) == (10, 20)
+    assert (short.decay_start, long.decay_start) == (8, 16) and stable_steps([short, long]) == [8, 16]
+    lrs = [lr_at(s, long, cfg) for s in range(20)]
+    assert lrs[:2] == pytest.approx([1.5e-3, 3e-3])  # linear warmup over 2 steps
+    assert lrs[2:16] == pytest.approx([3e-3] * 14)  # stable
+    assert lrs[16:] == pytest.approx([3e-3 * (1 - (k + 0.5) / 4) for k in range(4)])  # linear to 0
+    # every budget shares the stable phase: the short run's lr equals the long run's before its cooldown
+    assert [lr_at(s, short, cfg) for s in range(8)] == lrs[:8]
+    sq = dataclasses.replace(cfg, cooldown_shape="1-sqrt")
+    assert lr_at(17, long, sq) == pytest.approx(3e-3 * (1 - math.sqrt(1.5 / 4)))
+    with pytest.raises(ValueError, match="warmup_steps"):
+        ladder(dataclasses.replace(cfg, warmup_steps=9))
+
+
+def test_branch_equals_a_standalone_wsd_run(data, tmp_path):
+    """A cooldown branch off the stable run is the run that would have been trained alone."""
+    cfg = wsd_config()
+    specs = ladder(cfg)
+    results = train_size_wsd(specs, cfg, *data, [tmp_path / s.name for s in specs], tmp_path / "stable")
+    alone = train_model(specs[0], cfg, *data, tmp_path / "alone")
+    assert results[0].val_loss == pytest.approx(alone.val_loss, rel=1e-6)
+    assert results[0].shared_steps == specs[0].decay_start and results[0].schedule == "wsd"
+    assert results[1].val_loss < results[0].val_loss  # more tokens, lower loss
+    assert not (tmp_path / "stable" / "branches").exists()  # removed once every branch is done
+    # a rerun finds every result and trains nothing
+    again = train_size_wsd(specs, cfg, *data, [tmp_path / s.name for s in specs], tmp_path / "stable",
+                           progress=lambda spec: (lambda s, n: pytest.fail("trained again")))
+    assert [r.val_loss for r in again] == [r.val_loss for r in results]
+
+
+_KILLED_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    from training_fixtures import markov_tokens, tiny_config
+    from tasks.training.design import ladder
+    from tasks.training.loop import train_size_wsd
+    cfg = tiny_config(schedule="wsd", token_budgets=(2048, 4096), cooldown_frac=0.25, warmup_steps=2, lr=3e-3,
+                      eval_interval=8, checkpoint_interval=4)
+    specs = ladder(cfg)
+    d = markov_tokens(60_000)
+    out = sys.argv[1]
+    kill_at = (sys.argv[2], int(sys.argv[3]))   # (which spec's progress, step)
+
+    def progress(spec):
+        def cb(step, total):
+            if spec.name == kill_at[0] and step == kill_at[1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return cb
+
+    train_size_wsd(specs, cfg, d[:50_000], d[50_000:], [f"{{out}}/{{s.name}}" for s in specs], f"{{out}}/stable",
+                   progress=progress)
+""")
+
+
+@pytest.mark.parametrize("where", ["stable", "branch"])
+def test_killed_stable_run_or_branch_resumes_to_the_same_loss(data, tmp_path, where):
+    import subprocess
+
+    cfg = wsd_config()
+    specs = ladder(cfg)
+    reference = train_size_wsd(specs, cfg, *data, [tmp_path / "ref" / s.name for s in specs], tmp_path / "ref" / "stable")
+    script = tmp_path / "child.py"
+    script.write_text(_KILLED_CHILD.format(root=str(ROOT), tests=str(Path(__file__).parent)))
+    out = tmp_path / "killed"
+    # stable run: its progress is reported under the longest spec while steps < its decay_start;
+    # branch: the long budget's cooldown (steps 24..31), after its step-28 checkpoint
+    name, step = (specs[1].name, 10) if where == "stable" else (specs[1].name, 30)
+    proc = subprocess.run([sys.executable, str(script), str(out), name, str(step)], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert not (out / specs[1].name / "result.json").exists()
+    resumed = train_size_wsd(specs, cfg, *data, [out / s.name for s in specs], out / "stable")
+    assert [r.val_loss for r in resumed] == pytest.approx([r.val_loss for r in reference], rel=1e-6)
+
+
+def test_isoflop_design_trains_d_equal_c_over_flops_per_token():
+    sizes = tuple(ModelShape(d_model=d, n_layers=1, n_heads=2) for d in (16, 32, 64, 128))
+    cfg = tiny_config(token_budgets=(), compute_budgets=(1e10, 1e11), sizes_per_budget=3, sizes=sizes,
+                      tokens_per_param_guess=20.0)
+    points = isoflop_points(cfg)
+    assert len(points) == 6
+    for shape, tokens, c in points:
+        f = model_flops_per_token(shape, cfg.seq_len, cfg.vocab_size).total
+        assert tokens == round(c / f)  # D = C / flops_per_token(N), i.e. C / 6N up to attention
+    from tasks.training.model import parameter_counts
+
+    widths = [16, 32, 64, 128]
+    for c in (1e10, 1e11):
+        chosen = [s.d_model for s, _, cc in points if cc == c]
+        tpp = [c / model_flops_per_token(s, cfg.seq_len, cfg.vocab_size).total
+               / parameter_counts(s, cfg.vocab_size, seq_len=cfg.seq_len).total for s in sizes]
+        best = widths[int(np.argmin(np.abs(np.log(np.array(tpp) / 20.0))))]
+        i = widths.index(chosen[0])
+        assert chosen == widths[i:i + 3] and best in chosen  # 3 consecutive sizes around ~20 tokens/param
+        if best not in (widths[0], widths[-1]):
+            assert chosen[1] == best
+    specs = ladder(cfg)
+    assert {s.compute_budget for s in specs} == {1e10, 1e11}
+    for s in specs:
+        assert s.flops_per_token * s.tokens == pytest.approx(s.compute_budget, rel=1e-3)
