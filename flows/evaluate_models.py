@@ -14,7 +14,7 @@ def trained_models(ctx: Context, names: tuple[str, ...] = ()) -> list[dict]:
     table = ctx.layout.reports / "train.csv"
     if not table.exists():
         raise FileNotFoundError(f"{table}: no trained models; run `scalelab run train` first")
-    rows = pl.read_csv(table).to_dicts()
+    rows = [r for r in pl.read_csv(table).to_dicts() if not r.get("diverged")]  # a diverged run has no model
     if names:
         known = {r["run"] for r in rows}
         missing = [n for n in names if n not in known]

@@ -3,16 +3,21 @@
 Run: ``scalelab run train [--preset ci] [--runner ray]``. Trains the shared BPE tokenizer on the
 raw training split, tokenizes each variant and the shared validation split, then trains every
 (variant, size, tokens) point as its own task (a Ray task asking for a GPU under ``runner: ray``).
-Writes ``models/trained/<variant>/<run>/``, ``reports/train.csv`` and ``reports/train_curves.csv``.
+Under ``schedule: wsd`` each (variant, size) is one task: a stable run and a cooldown branch per
+budget. Writes ``models/trained/<variant>/<run>/``, ``reports/train.csv`` (N counted both ways,
+``flops_total``, ``epochs``, ``unique_tokens``, ``diverged``), ``reports/train_curves.csv`` and
+``reports/val_by_source.csv`` (each run's loss per corpus source, over every validation token).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import shutil
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -23,9 +28,9 @@ from flows.stage import stage_context, stage_run, write_table
 from tasks.common.io import read_json, write_json, write_text
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.training.config import TrainingConfig
-from tasks.training.loop import RunSpec, ladder, train_model
+from tasks.training.loop import RunSpec, ladder, set_process_threads, train_model, train_size_wsd
 from tasks.training.repb import repb_arms
-from tasks.training.tokenizer import encode_corpus, load_tokens, save_tokens, train_tokenizer
+from tasks.training.tokenizer import encode_corpus, encode_corpus_segments, load_tokens, save_tokens, train_tokenizer
 
 
 def file_digest(*paths: Path) -> str:
@@ -78,46 +83,140 @@ def ensure_tokens(tokenizer, source: Path, target: Path, tokenizer_path: Path) -
     return target
 
 
-@task(name="train-point", retries=0, cache_policy=NO_CACHE)
-def train_point(
-    variant: str, spec: RunSpec, cfg: TrainingConfig, train_path: str, val_path: str, out_dir: str,
-    parent: RunRef, preset: str, data_variant: str | None = None, progress=None,
-) -> dict:
-    """Train one (variant, N, D) point in its own MLflow child run; returns its row for reports/train.csv.
+def ensure_val_tokens(tokenizer, source: Path, target: Path, tokenizer_path: Path) -> tuple[Path, Path]:
+    """Tokenize the validation split into ``target`` and the source of each token into
+    ``<target>.sources.npy`` (int16 codes; names in the meta), cached by content hash."""
+    groups = target.with_suffix(".sources.npy")
+    key = f"{file_digest(source)}-{file_digest(tokenizer_path)}-sources"
+    meta = target.with_suffix(".meta.json")
+    if target.exists() and groups.exists() and meta.exists() and read_json(meta).get("key") == key:
+        return target, groups
+    frame = pl.read_parquet(source, columns=["text", "source"])
+    arr, doc_index = encode_corpus_segments(tokenizer, frame["text"])
+    names = sorted(set(frame["source"].to_list()))
+    codes = np.array([names.index(x) for x in frame["source"].to_list()], dtype=np.int16)
+    save_tokens(target, arr)
+    save_tokens(groups, codes[doc_index])
+    write_json(meta, {"key": key, "tokens": int(arr.size), "sources": names})
+    return target, groups
+
+
+def source_labels(groups_path: Path) -> np.ndarray:
+    """The source name of every validation token (from ``ensure_val_tokens``' codes)."""
+    names = np.array(read_json(Path(groups_path).with_name(Path(groups_path).name.replace(".sources.npy", ".meta.json")))["sources"])
+    return names[load_tokens(groups_path, mmap=False).astype(np.int64)]
+
+
+OWNER_FILE = "owner.json"
+
+
+@task(name="train-size", retries=0, cache_policy=NO_CACHE)
+def train_size(
+    variant: str, specs: list[RunSpec], cfg: TrainingConfig, train_path: str, val_path: str, val_groups_path: str,
+    out_dirs: list[str], stable_dir: str | None, parent: RunRef, preset: str, data_variant: str | None = None,
+    progress=None,
+) -> list[dict]:
+    """Train one size's points of one series (every budget under WSD, one point under cosine), each in its
+    own MLflow child run; returns their rows for reports/train.csv.
 
     ``variant`` labels the series (``raw``, or ``raw+repb`` for the RePB arm); ``data_variant`` is
     the curated corpus it trained on (default: ``variant``).
     """
-    params = {
-        "stage": "train", "variant": variant, "data_variant": data_variant or variant, "preset": preset, "run": spec.name,
-        "n_params": spec.n_params, "tokens": spec.tokens, "arch": cfg.arch,
-        "data_pruning": "repb" if cfg.repb.enabled else "none",
-        "d_model": spec.shape.d_model, "n_layers": spec.shape.n_layers, "n_heads": spec.shape.n_heads,
-        "steps": spec.steps,
-    }
-    with tracked_run(f"train:{variant}:{spec.name}", uri=parent.uri, experiment=parent.experiment,
-                     parent=parent, params=params, tags={"scalelab.stage": "train"}) as run:
-        result = train_model(
-            spec, cfg, load_tokens(train_path), load_tokens(val_path), Path(out_dir),
-            on_metrics=lambda m, step: run.log_metrics(m, step=step), progress=progress,
-        )
-        row = dataclasses.asdict(result)
-        history = row.pop("history", [])
-        final = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        run.log_metrics(final | {"flops": (row.get("flops_6nd") or 0) + (row.get("flops_attn") or 0)})
-        return {"variant": variant, "run": spec.name, **params, **final, "history": history}
+    set_process_threads(cfg.num_threads)  # once per process: a no-op in the flow's own thread pool
+    for d in out_dirs:
+        write_json(Path(d) / OWNER_FILE, {"preset": preset, "variant": variant})
+    if stable_dir is not None:
+        write_json(Path(stable_dir) / OWNER_FILE, {"preset": preset, "variant": variant})
+    train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
+    val_groups = source_labels(Path(val_groups_path))
+    with contextlib.ExitStack() as stack:
+        runs, params = {}, {}
+        for spec in specs:
+            params[spec.name] = {
+                "stage": "train", "variant": variant, "data_variant": data_variant or variant, "preset": preset,
+                "run": spec.name, "n_params": spec.n_params, "n_params_nonembed": spec.n_params,
+                "n_params_total": spec.n_params_total,
+                "tokens": spec.tokens, "arch": cfg.arch, "schedule": cfg.schedule, "lr": spec.lr,
+                "data_pruning": "repb" if cfg.repb.enabled else "none", "compute_budget": spec.compute_budget,
+                "d_model": spec.shape.d_model, "n_layers": spec.shape.n_layers, "n_heads": spec.shape.n_heads,
+                "steps": spec.steps,
+            }
+            runs[spec.name] = stack.enter_context(tracked_run(
+                f"train:{variant}:{spec.name}", uri=parent.uri, experiment=parent.experiment, parent=parent,
+                params=params[spec.name], tags={"scalelab.stage": "train"}))
+
+        def on_metrics(spec):
+            return lambda m, step: runs[spec.name].log_metrics(m, step=step)
+
+        def bar(spec):
+            return progress(spec) if progress is not None else None
+
+        if stable_dir is not None:
+            results = train_size_wsd(specs, cfg, train_tokens, val_tokens, out_dirs, stable_dir,
+                                     on_metrics=on_metrics, progress=bar, val_groups=val_groups)
+        else:
+            results = [train_model(spec, cfg, train_tokens, val_tokens, Path(d), on_metrics=on_metrics(spec),
+                                   progress=bar(spec), val_groups=val_groups) for spec, d in zip(specs, out_dirs)]
+        rows = []
+        for spec, result in zip(specs, results):
+            run = runs[spec.name]
+            row = dataclasses.asdict(result)
+            history = row.pop("history", [])
+            by_group = row.pop("val_loss_by_group", None) or {}
+            for step, train_loss, val_loss in history:  # the steps a branch shared with its stable run
+                if step <= result.shared_steps:
+                    run.log_metrics({"train_loss": train_loss, "val_loss": val_loss}, step=step)
+            final = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            run.log_metrics(final | {"flops": result.flops_total, "diverged": int(result.diverged)}
+                            | {f"val_loss.{g}": v["val_loss"] for g, v in by_group.items()})
+            if result.diverged:
+                run.set_tags({"scalelab.diverged": result.diverged_reason})
+                print(f"train: {variant}/{spec.name} DIVERGED ({result.diverged_reason}); recorded, excluded from fits")
+            if result.epochs > 1:
+                print(f"train: WARNING {variant}/{spec.name} made {result.epochs:.2f} passes over its training tokens")
+            rows.append({"variant": variant, "run": spec.name, **params[spec.name], **final,
+                         "diverged": result.diverged, "diverged_reason": result.diverged_reason,
+                         "history": history, "by_source": by_group})
+        return rows
+
+
+def size_jobs(cfg: TrainingConfig, specs: list[RunSpec]) -> list[list[RunSpec]]:
+    """Units of work: a size's every budget under WSD (one stable run feeds them), else one point each."""
+    if cfg.schedule != "wsd":
+        return [[s] for s in specs]
+    by_size: dict[str, list[RunSpec]] = {}
+    for s in specs:
+        by_size.setdefault(s.size, []).append(s)
+    # the costliest sizes first, so the last task to finish is a small one
+    return sorted(by_size.values(), key=lambda group: -max(s.flops_per_token * s.tokens for s in group))
 
 
 def run_ladder(ctx: Context, cfg: TrainingConfig, jobs: list[dict], parent: RunRef) -> list[dict]:
-    """Fan the ladder's points out through the context's task runner (progress bars when local)."""
+    """Fan the ladder's units out through the context's task runner (progress bars when local)."""
     local = ctx.pipeline.runner == "local"
     with progress_bars(enabled=local) as bars:
-        jobs = [
-            dict({"cfg": cfg} | job, parent=parent, preset=ctx.preset,
-                 progress=bars.bar(f"{job['variant']}/{job['spec'].name}", job["spec"].steps) if local else None)
-            for job in jobs
-        ]
-        return map_tasks(ctx.pipeline, train_point, jobs)
+        def progress_for(label):
+            return (lambda spec: bars.bar(f"{label}/{spec.name}", spec.steps)) if local else None
+
+        jobs = [dict({"cfg": cfg} | job, parent=parent, preset=ctx.preset, progress=progress_for(job["variant"]))
+                for job in jobs]
+        return [row for rows in map_tasks(ctx.pipeline, train_size, jobs) for row in rows]
+
+
+def remove_stale_models(trained: Path, labels: set[str], preset: str, keep: set[Path]) -> list[Path]:
+    """Delete model folders this flow owns that the current ladder no longer has: same preset, a
+    series trained now, not in ``keep``. Folders of other presets or variants, and folders with no
+    owner record, are left alone. Returns what was removed."""
+    removed = []
+    for label in sorted(labels):
+        for d in sorted((trained / label).iterdir()) if (trained / label).is_dir() else []:
+            owner = d / OWNER_FILE
+            if d.is_dir() and d not in keep and owner.exists():
+                rec = read_json(owner)
+                if rec.get("preset") == preset and rec.get("variant") == label:
+                    shutil.rmtree(d)
+                    removed.append(d)
+    return removed
 
 
 @flow(name="train", log_prints=True)
@@ -131,15 +230,17 @@ def train_flow(
     ctx = stage_context(root, preset, workdir, runner, parent_run_id)
     cfg = ctx.config(TrainingConfig, "training")
     layout = ctx.layout
+    set_process_threads(cfg.num_threads)  # per process, before the thread pool starts
     with stage_run(ctx, "train", cfg) as run:
         tokenizer = ensure_tokenizer(ctx, cfg)
-        val_path = ensure_tokens(tokenizer, layout.prepared / "val.parquet", layout.tokens / "val.npy", layout.tokenizer)
+        val_path, val_groups = ensure_val_tokens(tokenizer, layout.prepared / "val.parquet", layout.tokens / "val.npy",
+                                                 layout.tokenizer)
         variants = curated_variants(layout.curated, cfg.variants)
         not_trained = [v for v in cfg.repb.compare if v not in variants]
         if not_trained:
             raise ValueError(f"training.repb.compare names {not_trained[0]!r}, not among the trained variants {variants}")
         specs = ladder(cfg)
-        jobs, keep_dirs = [], set()
+        jobs, keep_dirs, labels = [], set(), set()
         for variant in variants:
             train_path = ensure_tokens(tokenizer, layout.curated / variant / "kept.parquet",
                                        layout.tokens / f"{variant}.npy", layout.tokenizer)
@@ -147,27 +248,41 @@ def train_flow(
             # A variant in training.repb.compare also trains pruned, reported as <variant>+repb.
             for suffix, arm_cfg in repb_arms(cfg, variant):
                 label = variant + suffix
-                for spec in specs:
+                labels.add(label)
+                for group in size_jobs(cfg, specs):
                     # Keyed by what made it, so a changed config or corpus never reuses a stale result.
-                    out_dir = layout.trained / label / f"{spec.name}-{config_hash(arm_cfg, spec, digest)}"
-                    keep_dirs.add(out_dir)
-                    jobs.append(dict(variant=label, data_variant=variant, spec=spec, cfg=arm_cfg, train_path=str(train_path),
-                                     val_path=str(val_path), out_dir=str(out_dir)))
+                    out_dirs = [layout.trained / label / f"{spec.name}-{config_hash(arm_cfg, spec, digest)}" for spec in group]
+                    stable = None
+                    if cfg.schedule == "wsd":
+                        stable = layout.trained / label / f"stable-{group[0].size}-{config_hash(arm_cfg, group[0].size, digest)}"
+                        keep_dirs.add(stable)
+                    keep_dirs.update(out_dirs)
+                    jobs.append(dict(variant=label, data_variant=variant, specs=group, cfg=arm_cfg,
+                                     train_path=str(train_path), val_path=str(val_path),
+                                     val_groups_path=str(val_groups), out_dirs=[str(d) for d in out_dirs],
+                                     stable_dir=str(stable) if stable else None))
         rows = run_ladder(ctx, cfg, jobs, run.ref())
-        for variant_dir in layout.trained.iterdir():
-            for d in variant_dir.iterdir() if variant_dir.is_dir() else []:
-                if d.is_dir() and d not in keep_dirs:
-                    shutil.rmtree(d)  # outputs of an older config: not part of this ladder
+        for d in remove_stale_models(layout.trained, labels, ctx.preset, keep_dirs):
+            print(f"train: removed {d} (this preset's output of an older ladder)")
         curves = [
-            {"variant": r["variant"], "run": r["run"], "n_params": r["n_params"], "step": h[0], "train_loss": h[1], "val_loss": h[2]}
+            {"variant": r["variant"], "run": r["run"], "n_params": r["n_params"], "n_params_total": r["n_params_total"],
+             "step": h[0], "train_loss": h[1], "val_loss": h[2]}
             for r in rows for h in r["history"]
         ]
+        by_source = [{"run": r["run"], "variant": r["variant"], "source": src, "tokens": v["tokens"],
+                      "val_loss": v["val_loss"]} for r in rows for src, v in sorted(r["by_source"].items())]
         # Model folders relative to the workdir, so the table stays valid in a moved copy (dvc exp --temp).
-        for r, job in zip(rows, jobs):
-            r["model_dir"] = str(Path(job["out_dir"]).relative_to(ctx.workdir))
-        table = [{k: v for k, v in r.items() if k not in ("history", "stage", "preset")} for r in rows]
+        out_dirs = [d for job in jobs for d in job["out_dirs"]]
+        for r, d in zip(rows, out_dirs):
+            r["model_dir"] = str(Path(d).relative_to(ctx.workdir))
+        table = [{k: v for k, v in r.items() if k not in ("history", "by_source", "stage", "preset")} for r in rows]
         write_table(ctx, "train", table, run)
         write_table(ctx, "train_curves", curves, run)
-        run.log_metrics({"runs": len(rows)})
-        print(f"train: {len(rows)} runs over {len(variants)} variants -> {layout.reports / 'train.csv'}")
+        write_table(ctx, "val_by_source", by_source, run)
+        diverged = [r["run"] for r in rows if r["diverged"]]
+        multi_epoch = [r["run"] for r in rows if r["epochs"] > 1]
+        run.log_metrics({"runs": len(rows), "diverged_runs": len(diverged), "multi_epoch_runs": len(multi_epoch)})
+        print(f"train: {len(rows)} runs over {len(variants)} variants -> {layout.reports / 'train.csv'}"
+              + (f"; {len(diverged)} diverged" if diverged else "")
+              + (f"; WARNING {len(multi_epoch)} runs above 1 epoch" if multi_epoch else ""))
         return table

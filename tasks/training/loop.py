@@ -49,7 +49,7 @@ from tasks.evaluation.loss import evaluate_loss
 from tasks.training.config import TrainingConfig
 from tasks.training.design import RunSpec, ladder, lr_at, run_name, stable_steps  # noqa: F401  (re-exported)
 from tasks.training.model import build_model, peak_flops
-from tasks.training.repb import RePBSelector
+from tasks.training.repb import RePBSelector, weighted_step_loss
 
 MetricsCallback = Callable[[dict[str, float], int], None]
 ProgressCallback = Callable[[int, int], None]
@@ -337,7 +337,7 @@ class _Trainer:
         self.model.train()
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
         self.optimizer = _optimizer(self.model, cfg, self.device)
-        self.selector = RePBSelector(cfg.repb) if cfg.repb.enabled else None
+        self.selector = RePBSelector(cfg.repb, n_samples=self.sampler.n_windows) if cfg.repb.enabled else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.step = 0
         self.history: list[tuple[int, float | None, float | None]] = []
@@ -429,14 +429,13 @@ class _Trainer:
             with torch.no_grad():
                 scores = torch.cat([self._per_sample_loss(x, y) for _, x, y in batches])
         keep, weight = self.selector.select(scores.float().cpu().numpy(), ids_all)
-        n_kept = float(keep.sum())
+        n_kept = int(keep.sum())
         w_all = torch.from_numpy(weight).to(self.device, torch.float32)
         for m, (_, x, y) in enumerate(batches):
             per_sample = graphs[0] if graphs is not None else self._per_sample_loss(x, y)
             self.loss_sum += per_sample.detach().mean()  # the unpruned batch loss, comparable across runs
             self.loss_count += 1
-            w = w_all[m * b:(m + 1) * b]
-            ((per_sample * w).sum() / n_kept).backward()
+            weighted_step_loss(per_sample, w_all[m * b:(m + 1) * b], n_kept).backward()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -543,10 +542,10 @@ class _Trainer:
 def val_loss_by_group(model: nn.Module, val_tokens: np.ndarray, val_groups: np.ndarray, seq_len: int,
                       batch_size: int, device: torch.device) -> dict[str, dict[str, float]]:
     """``{group: {"tokens": n, "val_loss": mean nats}}`` over every validation token (its source)."""
-    from tasks.evaluation.loss import loss_by_group, token_losses
+    from tasks.evaluation.loss import loss_by_group, target_indices, token_losses
 
     losses = token_losses(model, val_tokens, seq_len, batch_size, None, device)
-    groups = np.asarray(val_groups)[1:len(losses) + 1]  # the scored targets are tokens[1 : M + 1]
+    groups = np.asarray(val_groups)[target_indices(len(losses))]  # labels of the scored targets
     return {str(k): {"tokens": int(n), "val_loss": float(v)} for k, (n, v) in loss_by_group(losses, groups).items()}
 
 
