@@ -138,3 +138,21 @@ def test_isoflop_design_trains_d_equal_c_over_flops_per_token():
     assert {s.compute_budget for s in specs} == {1e10, 1e11}
     for s in specs:
         assert s.flops_per_token * s.tokens == pytest.approx(s.compute_budget, rel=1e-3)
+
+
+def test_largest_model_beats_smallest_at_equal_compute(tmp_path):
+    """On a small fixed IsoFLOP ladder (one budget, a 4x wider model on ~6x fewer tokens), the
+    larger model reaches the lower loss: the ladder is long enough for size to pay at equal compute."""
+    data = markov_tokens(1_400_000, seed=1)
+    train, val = data[:1_350_000], data[1_350_000:]
+    sizes = (ModelShape(d_model=8, n_layers=1, n_heads=2), ModelShape(d_model=32, n_layers=1, n_heads=2))
+    cfg = tiny_config(sizes=sizes, token_budgets=(), compute_budgets=(4e10,), sizes_per_budget=2,
+                      schedule="wsd", warmup_steps=5, batch_size=16, lr=1.2e-2, lr_ref_width=8,
+                      lr_width_exponent=0.5, eval_interval=10**6, eval_tokens=8192, log_interval=10**6)
+    small, large = ladder(cfg)
+    assert small.compute_budget == large.compute_budget and small.n_params_total < large.n_params_total
+    assert small.flops_per_token * small.tokens == pytest.approx(large.flops_per_token * large.tokens, rel=1e-2)
+    assert small.tokens_trained <= len(train) and large.tokens < small.tokens
+    r_small = train_size_wsd([small], cfg, train, val, [tmp_path / "s"], tmp_path / "s-stable")[0]
+    r_large = train_size_wsd([large], cfg, train, val, [tmp_path / "l"], tmp_path / "l-stable")[0]
+    assert r_large.val_loss < r_small.val_loss - 0.02, (r_small.val_loss, r_large.val_loss)
