@@ -142,3 +142,26 @@ def test_grad_accum_matches_larger_batch(data, tmp_path):
     b = train_model(ladder(cfg_b)[0], cfg_b, *data, tmp_path / "b")
     assert a.steps == b.steps == 8
     assert b.val_loss == pytest.approx(a.val_loss, rel=1e-5)
+
+
+def test_epochs_are_counted_when_the_budget_exceeds_the_corpus(data, tmp_path):
+    """32 steps x 128 tokens = 4,096 tokens from a 2,048-token stream: two passes, recorded."""
+    cfg = tiny_config()
+    result = train_model(ladder(cfg)[0], cfg, data[0][:2048], data[1], tmp_path)
+    available = ((2048 - 32) // 32) * 32
+    assert result.train_tokens_available == available and result.unique_tokens == available
+    assert result.epochs == pytest.approx(4096 / available) and result.epochs > 2
+
+
+def test_a_diverged_run_is_recorded_not_raised(data, tmp_path):
+    """An lr of 1e6 without clipping blows the loss up: the run stops, is written as diverged with no
+    loss and no weights, and a rerun returns the stored record instead of training again."""
+    cfg = tiny_config(lr=1e6, grad_clip=0.0, warmup_frac=0.0)
+    spec = ladder(cfg)[0]
+    result = train_model(spec, cfg, *data, tmp_path)
+    assert result.diverged and result.val_loss is None and result.ppl is None
+    assert "loss" in result.diverged_reason
+    assert not (tmp_path / "model.safetensors").exists()
+    stored = json.loads((tmp_path / "result.json").read_text())
+    assert stored["diverged"] is True and stored["val_loss"] is None  # valid JSON: no NaN
+    assert train_model(spec, cfg, *data, tmp_path) == result
