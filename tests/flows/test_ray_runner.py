@@ -11,7 +11,8 @@ import pytest
 from prefect import flow
 
 from flows.runtime import PipelineConfig, make_context, task_runner
-from flows.train import run_ladder
+from flows.train import run_ladder, size_jobs
+from tasks.common.io import write_json
 from tasks.common.tracking import tracked_run
 from tasks.training.config import ModelShape, TrainingConfig
 from tasks.training.loop import ladder
@@ -26,18 +27,24 @@ def test_train_ladder_runs_on_two_ray_workers(prefect_harness, tmp_path: Path):
     rng = np.random.default_rng(0)
     save_tokens(tmp_path / "train.npy", rng.integers(0, 300, 20_000).astype(np.uint16))
     save_tokens(tmp_path / "val.npy", rng.integers(0, 300, 2_000).astype(np.uint16))
+    save_tokens(tmp_path / "val.sources.npy", (np.arange(2_000) % 2).astype(np.int16))
+    write_json(tmp_path / "val.meta.json", {"sources": ["a", "b"]})
     cfg = TrainingConfig(
-        vocab_size=300, seq_len=32, batch_size=4, sizes=(ModelShape(d_model=32, n_layers=1, n_heads=2),),
+        vocab_size=300, seq_len=32, batch_size=4,
+        sizes=(ModelShape(d_model=32, n_layers=1, n_heads=2), ModelShape(d_model=16, n_layers=1, n_heads=2)),
         token_budgets=(2_048, 4_096), eval_interval=8, eval_tokens=512, checkpoint_interval=0,
+        schedule="wsd", warmup_steps=2,
     )
     ctx = make_context(ROOT, preset="ci", workdir=tmp_path)
     ctx = dataclasses.replace(ctx, pipeline=dataclasses.replace(ctx.pipeline, runner="ray", ray_address=None, ray_num_cpus=2))
     runner = task_runner(ctx.pipeline)
     assert type(runner).__name__ == "RayTaskRunner"
     jobs = [
-        dict(variant="v", spec=spec, train_path=str(tmp_path / "train.npy"), val_path=str(tmp_path / "val.npy"),
-             out_dir=str(tmp_path / "models" / spec.name))
-        for spec in ladder(cfg)
+        dict(variant="v", specs=group, train_path=str(tmp_path / "train.npy"), val_path=str(tmp_path / "val.npy"),
+             val_groups_path=str(tmp_path / "val.sources.npy"),
+             out_dirs=[str(tmp_path / "models" / spec.name) for spec in group],
+             stable_dir=str(tmp_path / "models" / f"stable-{group[0].size}"))
+        for group in size_jobs(cfg, ladder(cfg))
     ]
     @flow
     def ladder_on_ray() -> list[dict]:
@@ -45,10 +52,10 @@ def test_train_ladder_runs_on_two_ray_workers(prefect_harness, tmp_path: Path):
             return run_ladder(ctx, cfg, jobs, parent.ref()), parent.run_id
 
     rows, parent_id = ladder_on_ray()
-    assert [r["tokens"] for r in rows] == [2_048, 4_096]
+    assert sorted(r["tokens"] for r in rows) == [2_048, 2_048, 4_096, 4_096]
     assert all(np.isfinite(r["val_loss"]) for r in rows)
     # Children were created inside Ray worker processes, linked to the parent by id.
     client = mlflow.MlflowClient(ctx.tracking_uri)
     exp = client.get_experiment_by_name("ray-test")
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
-    assert len(children) == 2 and {c.info.status for c in children} == {"FINISHED"}
+    assert len(children) == 4 and {c.info.status for c in children} == {"FINISHED"}

@@ -18,15 +18,20 @@ from training_fixtures import tiny_config
 def test_every_preset_loads(preset):
     cfg = load_stage_config(TrainingConfig, ROOT, "training", preset)
     specs = ladder(cfg)
-    assert len(specs) == len(cfg.sizes) * len(cfg.token_budgets)
+    if cfg.compute_budgets:  # IsoFLOP: k sizes per budget (points two budgets share train once)
+        assert len(specs) <= len(cfg.compute_budgets) * cfg.sizes_per_budget
+        assert {s.compute_budget for s in specs} == set(cfg.compute_budgets)
+    else:
+        assert len(specs) == len(cfg.sizes) * len(cfg.token_budgets)
     assert len({s.name for s in specs}) == len(specs)
 
 
 def test_demo_is_at_least_three_by_three_and_ci_is_small():
     demo = load_stage_config(TrainingConfig, ROOT, "training", "demo")
     ci = load_stage_config(TrainingConfig, ROOT, "training", "ci")
-    assert len(demo.sizes) >= 3 and len(demo.token_budgets) >= 3
-    assert len(ci.sizes) * len(ci.token_budgets) <= 6
+    # demo: an IsoFLOP design, >= 3 budgets with >= 3 sizes on each (>= 9 points); ci: a small grid
+    assert len(demo.compute_budgets) >= 3 and demo.sizes_per_budget >= 3 and len(ladder(demo)) >= 9
+    assert len(ci.sizes) * len(ci.token_budgets) <= 9
     assert max(s.d_model for s in ci.sizes) <= 64 and ci.seq_len <= 128
     # presets replace the size list whole (a mapping would be merged key by key)
     full = load_stage_config(TrainingConfig, ROOT, "training", "full")
