@@ -2,7 +2,8 @@
 
 Run: ``scalelab run curate [--preset ci]``. Writes ``data/curated/<variant>/{kept,dropped}.parquet``
 and ``stats.json`` per variant, ``reports/curation.csv`` (one row per variant, a column per drop
-reason) and ``reports/curation.json``; one MLflow child run per variant.
+reason, ``val_decontaminated`` documents removed for repeating validation text) and
+``reports/curation.json``; one MLflow child run per variant.
 
 Rewrites are cached in ``data/rewrite_cache/`` (outside DVC's outputs), so an interrupted or
 repeated rewrite step only generates documents it has not done yet.
@@ -18,6 +19,7 @@ from prefect import flow
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import ConfigError, from_mapping, load_yaml
 from tasks.common.io import atomic_dir, write_json, write_parquet
+from tasks.curation.decontam import ValDecontaminator
 from tasks.curation.recipes import CurationConfig, FilterCache, run_recipe
 from tasks.curation.rewrite import DocumentRewriter
 
@@ -29,11 +31,24 @@ def read_prepared_train(prepared: Path) -> pl.DataFrame:
     return pl.concat([pl.read_parquet(s) for s in shards])
 
 
+def read_prepared_val(prepared: Path) -> pl.DataFrame:
+    path = prepared / "val.parquet"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no prepared validation split; run `scalelab run prepare` first")
+    return pl.read_parquet(path)
+
+
 def variant_row(variant: str, stats: dict) -> dict:
-    """One flat row of reports/curation.csv: counts plus ``dropped.<reason>`` columns."""
+    """One flat row of reports/curation.csv: counts plus ``dropped.<reason>`` columns, and the
+    validation n-gram share in training text before/after decontamination when it ran."""
     row = {"variant": variant}
     row |= {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     row |= {f"dropped.{r}": n for r, n in sorted(stats.get("dropped_by_reason", {}).items())}
+    for step in stats.get("steps", []):
+        if step.get("kind") == "val_decontamination":
+            row["val_decontaminated"] = step["docs_in"] - step["docs_out"]
+            row["val_ngram_share_before"] = step["val_ngram_share_before"]
+            row["val_ngram_share_after"] = step["val_ngram_share_after"]
     return row
 
 
@@ -57,13 +72,17 @@ def curate_flow(
             previous = pl.read_parquet(cache_dir / "rewrites.parquet") if (cache_dir / "rewrites.parquet").exists() else None
             rewriter = DocumentRewriter.from_config(cfg.rewrite, previous=previous)
         filter_cache = FilterCache()  # variants sharing a filter judge each text once
+        deco = None
+        if cfg.decontamination.enabled:
+            deco = ValDecontaminator.from_val(read_prepared_val(layout.prepared)["text"], cfg.decontamination)
         with atomic_dir(layout.curated) as out:
             for variant in cfg.active:
                 recipe = cfg.variants[variant]
                 with stage_run(ctx.with_parent(run.ref()), "curate", run_name=f"curate:{variant}", variant=variant,
                                recipe=[s.kind for s in recipe.steps]) as child:
                     try:
-                        result = run_recipe(docs, recipe, rewriter=rewriter, filter_cache=filter_cache)
+                        result = run_recipe(docs, recipe, rewriter=rewriter, filter_cache=filter_cache,
+                                            decontaminate=deco)
                     finally:
                         if rewriter is not None:  # keep finished generations even if the step failed
                             write_parquet(cache_dir / "rewrites.parquet", rewriter.results)

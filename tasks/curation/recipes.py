@@ -37,6 +37,7 @@ import polars as pl
 
 from tasks.common.config import require
 from tasks.curation.dedup import MinHashConfig, exact_duplicates, minhash_duplicates
+from tasks.curation.decontam import DecontaminationConfig, ValDecontaminator
 from tasks.curation.filters import FILTERS, FilterResult
 from tasks.curation.rewrite import STYLES, GeneratorConfig
 
@@ -178,12 +179,15 @@ class CurationConfig:
 
     ``variants`` defines every recipe; ``active`` names the ones this preset builds
     (presets change only the list). ``rewrite`` configures the generator for rewrite
-    steps; ``shard_docs``/``n_workers`` size the sharded engine.
+    steps; ``shard_docs``/``n_workers`` size the sharded engine. ``decontamination`` removes,
+    from every variant after its recipe, the documents that largely repeat validation text
+    (:mod:`tasks.curation.decontam`).
     """
 
     active: tuple[str, ...]
     variants: dict[str, Recipe]
     rewrite: GeneratorConfig = field(default_factory=GeneratorConfig)
+    decontamination: DecontaminationConfig = field(default_factory=DecontaminationConfig)
     shard_docs: int = 20_000
     n_workers: int = 2
 
@@ -419,6 +423,20 @@ def curation_stats(docs_in: pl.DataFrame, kept: pl.DataFrame, dropped: pl.DataFr
     }
 
 
+def decontaminate_step(kept: pl.DataFrame, deco: ValDecontaminator) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+    """Split a finished variant into (kept, dropped as ``val_contamination``, step info)."""
+    reasons = deco(kept["text"]).reasons
+    drop = reasons.is_not_null()
+    info = {
+        "kind": "val_decontamination", "docs_in": kept.height, "docs_out": int((~drop).sum()),
+        "ngram": deco.cfg.ngram, "threshold": deco.cfg.threshold,
+        "val_ngram_share_before": deco.val_share(kept["text"]),
+    }
+    out = kept.filter(~drop)
+    info["val_ngram_share_after"] = deco.val_share(out["text"])
+    return out, _dropped(kept.filter(drop), reasons.filter(drop)), info
+
+
 def run_recipe(
     docs: pl.DataFrame,
     recipe: Recipe,
@@ -426,6 +444,7 @@ def run_recipe(
     rewriter: Callable[[pl.DataFrame, str, int | None], pl.DataFrame] | None = None,
     token_count: TokenCount = whitespace_words,
     filter_cache: FilterCache | None = None,
+    decontaminate: ValDecontaminator | None = None,
 ) -> CurationResult:
     """Apply ``recipe`` to ``docs`` (columns ``id``, ``text``; ``source``/``url``/``title`` optional).
 
@@ -435,6 +454,10 @@ def run_recipe(
     ``dropped_by_reason`` and per-step ``steps`` (docs in/out, rewrite and mix details).
     Ids must be unique. ``filter_cache`` (a :class:`FilterCache` shared by the recipes of one
     run) reuses filter decisions already made on the same texts; results are the same.
+    ``decontaminate`` (built from the validation split) runs last, on the recipe's final texts
+    (a rewrite can copy validation text too), as a step ``val_decontamination`` that drops with
+    reason ``val_contamination`` and records the validation n-gram share found in the variant's
+    training text before and after it.
 
     >>> res = run_recipe(prepared.train, cfg.recipe("dedup_gopher"))
     """
@@ -448,6 +471,10 @@ def run_recipe(
         dropped_parts.append(dropped)
         steps.append(info)
     kept = finalize(work)
+    if decontaminate is not None:
+        kept, dropped, info = decontaminate_step(kept, decontaminate)
+        dropped_parts.append(dropped)
+        steps.append(info)
     dropped = pl.concat(dropped_parts) if dropped_parts else pl.DataFrame(schema=DROPPED_SCHEMA)
     stats = curation_stats(docs, kept, dropped, token_count=token_count, steps=steps)
     return CurationResult(kept=kept, dropped=dropped, stats=stats)

@@ -38,6 +38,9 @@ def test_variants_are_trained_on_the_shared_ladder(ci_run):
     workdir, _ = ci_run
     train = pl.read_csv(workdir / "reports" / "train.csv")
     curation = pl.read_csv(workdir / "reports" / "curation.csv")
+    # every variant is decontaminated against validation; the share left is at most the share before
+    assert (curation["val_decontaminated"] >= 0).all()
+    assert (curation["val_ngram_share_after"] <= curation["val_ngram_share_before"]).all()
     assert set(train["data_variant"]) == set(curation["variant"]) and len(set(train["data_variant"])) >= 2
     # The ci preset compares RePB on raw: a second series at the same (N, D) and optimizer steps.
     assert set(train["variant"]) == set(curation["variant"]) | {"raw+repb"}
