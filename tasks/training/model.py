@@ -24,10 +24,26 @@ Choices, the same for every rung:
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
+
+_HF_IMPORT = threading.Lock()
+
+
+def hf_class(name: str) -> Any:
+    """A class of ``transformers`` by name, resolved under one lock.
+
+    ``transformers`` imports its classes lazily, and two threads of a stage's task pool resolving
+    a class for the first time at once can fail with "cannot import name 'LlamaConfig'" (seen in
+    ``make demo``'s sparse_eval with two local workers); the lock makes the first resolution serial.
+    """
+    with _HF_IMPORT:
+        import transformers
+
+        return getattr(transformers, name)
 
 from tasks.training.config import ModelShape
 
@@ -37,7 +53,7 @@ Arch = Literal["llama", "xlstm"]
 def hf_config(shape: ModelShape, vocab_size: int, seq_len: int, arch: Arch = "llama", eos_token_id: int = 0) -> Any:
     """The `transformers` config object for one rung (no weights)."""
     if arch == "llama":
-        from transformers import LlamaConfig
+        LlamaConfig = hf_class("LlamaConfig")
 
         return LlamaConfig(
             vocab_size=vocab_size,
@@ -59,7 +75,7 @@ def hf_config(shape: ModelShape, vocab_size: int, seq_len: int, arch: Arch = "ll
             attn_implementation="sdpa",
         )
     if arch == "xlstm":
-        from transformers import xLSTMConfig
+        xLSTMConfig = hf_class("xLSTMConfig")
 
         return xLSTMConfig(
             vocab_size=vocab_size,
@@ -95,11 +111,11 @@ def build_model(shape: ModelShape, vocab_size: int, seq_len: int, arch: Arch = "
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if arch == "llama":
-            from transformers import LlamaForCausalLM
+            LlamaForCausalLM = hf_class("LlamaForCausalLM")
 
             model = LlamaForCausalLM(config)
         else:
-            from transformers import xLSTMForCausalLM
+            xLSTMForCausalLM = hf_class("xLSTMForCausalLM")
 
             model = xLSTMForCausalLM(config)
     return model
@@ -146,11 +162,11 @@ def parameter_counts(shape: ModelShape, vocab_size: int, arch: Arch = "llama", s
     config = hf_config(shape, vocab_size, seq_len, arch)
     with torch.device("meta"):
         if arch == "llama":
-            from transformers import LlamaForCausalLM
+            LlamaForCausalLM = hf_class("LlamaForCausalLM")
 
             model = LlamaForCausalLM(config)
         else:
-            from transformers import xLSTMForCausalLM
+            xLSTMForCausalLM = hf_class("xLSTMForCausalLM")
 
             model = xLSTMForCausalLM(config)
     return ParamCounts(total=total_params(model), non_embedding=non_embedding_params(model))

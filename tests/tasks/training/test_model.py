@@ -101,3 +101,33 @@ def test_xlstm_builds_and_trains_one_step():
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert non_embedding_params(model) == count_non_embedding_params(shape, 256, "xlstm", 32)
     assert model_flops_per_token(shape, 32, 256, "xlstm").attention == 0.0
+
+
+_RACE = """
+import threading
+from tasks.training.model import hf_class
+barrier, errors = threading.Barrier(8), []
+def work(name):
+    barrier.wait()
+    try:
+        hf_class(name)
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=work, args=(n,)) for n in ["LlamaConfig", "LlamaForCausalLM"] * 4]
+[t.start() for t in threads]
+[t.join() for t in threads]
+assert not errors, errors
+"""
+
+
+def test_transformers_classes_resolve_from_many_threads_at_once():
+    # A fresh interpreter, as a stage's first tasks are: a plain `from transformers import
+    # LlamaConfig` from 8 threads fails about one time in three here.
+    import subprocess
+    from pathlib import Path
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _RACE], cwd=root, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
