@@ -19,8 +19,13 @@ STAGES = ("prepare", "curate", "train", "compress", "sparse_eval", "fit")
 
 
 def _env_defaults(root: Path) -> None:
-    """Settings Prefect and friends need on a fresh machine (the user's own values win)."""
-    os.environ.setdefault("PREFECT_HOME", str(root / ".prefect"))
+    """Settings Prefect and friends need on a fresh machine (the user's own values win).
+
+    ``root`` must exist (the CLI creates a new workdir first): Prefect's home goes in it, and
+    Prefect neither creates a missing parent nor says why its server then fails to start.
+    """
+    home = Path(os.environ.setdefault("PREFECT_HOME", str(root / ".prefect")))
+    home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
@@ -70,7 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     root = Path(args.root).resolve()
-    _env_defaults(Path(getattr(args, "workdir", None) or root).resolve())
+    from flows.runtime import WorkdirError, ensure_workdir
+
+    workdir = root
+    if getattr(args, "workdir", None):
+        try:
+            workdir = args.workdir = ensure_workdir(args.workdir)
+        except WorkdirError as exc:
+            print(f"scalelab: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"scalelab: workdir {workdir}")
+    try:
+        _env_defaults(workdir)
+    except OSError as exc:
+        print(f"scalelab: error: PREFECT_HOME {os.environ.get('PREFECT_HOME')}: cannot be created ({exc.strerror or exc})",
+              file=sys.stderr)
+        return 2
     from tasks.common.config import ConfigError
 
     try:

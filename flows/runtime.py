@@ -108,6 +108,35 @@ class Context:
         return load_stage_config(cls, self.root, stage, self.preset)
 
 
+class WorkdirError(ValueError):
+    """A workdir that cannot be created or written; the message names the path and the reason."""
+
+
+def ensure_workdir(path: str | Path) -> Path:
+    """Resolve ``path`` (relative to the current folder, ``~`` expanded), create it with its parents,
+    and check that files can be written in it; returns the absolute path.
+
+    Raises :class:`WorkdirError` naming the path when it is a file, cannot be created, or is not
+    writable. Nothing else is written (the probe file is removed).
+    """
+    import tempfile
+
+    wd = Path(path).expanduser().resolve()
+    if wd.exists() and not wd.is_dir():
+        raise WorkdirError(f"workdir {wd}: exists and is not a folder")
+    blocker = next((p for p in wd.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise WorkdirError(f"workdir {wd}: cannot be created, {blocker} is a file")
+    try:
+        wd.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".scalelab-write-probe-", dir=wd)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise WorkdirError(f"workdir {wd}: not writable ({exc.strerror or exc})") from None
+    return wd
+
+
 def make_context(
     root: str | Path = ".",
     *,
@@ -116,7 +145,10 @@ def make_context(
     runner: str | None = None,
     ray_address: str | None = None,
 ) -> Context:
-    """Resolve a :class:`Context`; command-line choices override params/pipeline.yaml."""
+    """Resolve a :class:`Context`; command-line choices override params/pipeline.yaml.
+
+    A ``workdir`` is created if missing (:func:`ensure_workdir`); default: ``root``.
+    """
     root = Path(root).resolve()
     preset = preset or default_preset(root)
     pipeline = load_stage_config(PipelineConfig, root, "pipeline", preset)
@@ -127,7 +159,7 @@ def make_context(
     if ray_address:
         changes["ray_address"] = ray_address
     pipeline = dataclasses.replace(pipeline, **changes)
-    workdir = Path(workdir).resolve() if workdir else root
+    workdir = ensure_workdir(workdir) if workdir else root
     parent_id = os.environ.get("SCALELAB_PARENT_RUN_ID")
     uri = tracking_uri(workdir)
     parent = RunRef(uri=uri, experiment=pipeline.experiment, run_id=parent_id) if parent_id else None

@@ -39,3 +39,52 @@ def test_fit_command_names_a_missing_column(tmp_path: Path, capsys):
 def test_check_params_command(capsys):
     assert main(["check-params", "--root", str(ROOT)]) == 0
     assert "params OK" in capsys.readouterr().out
+
+
+def test_run_creates_a_new_nested_workdir_with_spaces_relative_to_the_current_folder(tmp_path: Path, monkeypatch, capsys):
+    # `scalelab run prepare --workdir "new dir/a/wd"` from tmp_path: every folder is new.
+    monkeypatch.chdir(tmp_path)
+    for key in ("PREFECT_HOME", "PREFECT_API_URL"):  # set first, so the teardown restores the original state
+        monkeypatch.setenv(key, "x")
+        monkeypatch.delenv(key)
+    assert main(["run", "prepare", "--preset", "ci", "--root", str(ROOT), "--workdir", "new dir/a/wd"]) == 0
+    wd = tmp_path / "new dir" / "a" / "wd"
+    assert f"scalelab: workdir {wd}" in capsys.readouterr().out
+    assert (wd / "data" / "prepared" / "val.parquet").exists() and (wd / ".prefect").is_dir()
+    assert not list(wd.glob(".scalelab-write-probe-*"))
+
+
+@pytest.mark.parametrize("case", ["is_a_file", "under_a_file", "read_only"])
+def test_a_bad_workdir_fails_at_once_naming_the_path(tmp_path: Path, case, capsys):
+    import os
+
+    if case == "is_a_file":
+        (tmp_path / "wd").write_text("x")
+        wd, reason = tmp_path / "wd", "exists and is not a folder"
+    elif case == "under_a_file":
+        (tmp_path / "f").write_text("x")
+        wd, reason = tmp_path / "f" / "wd", f"{tmp_path / 'f'} is a file"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only folders")
+        (tmp_path / "ro").mkdir(mode=0o555)
+        wd, reason = tmp_path / "ro" / "wd", "not writable (Permission denied)"
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["run", "prepare", "--preset", "ci", "--root", str(ROOT), "--workdir", str(wd)]) == 2
+    err = capsys.readouterr().err
+    assert f"workdir {wd}" in err and reason in err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_ensure_workdir_refuses_a_folder_it_cannot_write(tmp_path: Path, monkeypatch):
+    # the permission probe itself, independent of who runs the test
+    import tempfile
+
+    from flows.runtime import WorkdirError, ensure_workdir
+
+    def deny(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", deny)
+    with pytest.raises(WorkdirError, match=r"not writable \(Permission denied\)"):
+        ensure_workdir(tmp_path / "wd")
