@@ -24,8 +24,11 @@ def _env_defaults(root: Path) -> None:
     ``root`` must exist (the CLI creates a new workdir first): Prefect's home goes in it, and
     Prefect neither creates a missing parent nor says why its server then fails to start.
     """
-    home = Path(os.environ.setdefault("PREFECT_HOME", str(root / ".prefect")))
-    home.mkdir(parents=True, exist_ok=True)
+    from flows.runtime import ensure_workdir
+
+    # Prefect's temporary server keeps its sqlite database here; an unusable home otherwise
+    # shows only as a 90-second "Timed out while attempting to connect" later.
+    ensure_workdir(os.environ.setdefault("PREFECT_HOME", str(root / ".prefect")), what="PREFECT_HOME")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
@@ -87,9 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scalelab: workdir {workdir}")
     try:
         _env_defaults(workdir)
-    except OSError as exc:
-        print(f"scalelab: error: PREFECT_HOME {os.environ.get('PREFECT_HOME')}: cannot be created ({exc.strerror or exc})",
-              file=sys.stderr)
+    except WorkdirError as exc:
+        print(f"scalelab: error: {exc}", file=sys.stderr)
         return 2
     from tasks.common.config import ConfigError
 

@@ -112,28 +112,28 @@ class WorkdirError(ValueError):
     """A workdir that cannot be created or written; the message names the path and the reason."""
 
 
-def ensure_workdir(path: str | Path) -> Path:
+def ensure_workdir(path: str | Path, what: str = "workdir") -> Path:
     """Resolve ``path`` (relative to the current folder, ``~`` expanded), create it with its parents,
     and check that files can be written in it; returns the absolute path.
 
-    Raises :class:`WorkdirError` naming the path when it is a file, cannot be created, or is not
-    writable. Nothing else is written (the probe file is removed).
+    Raises :class:`WorkdirError` naming ``what`` and the path when it is a file, cannot be created,
+    or is not writable. Nothing else is written (the probe file is removed).
     """
     import tempfile
 
     wd = Path(path).expanduser().resolve()
     if wd.exists() and not wd.is_dir():
-        raise WorkdirError(f"workdir {wd}: exists and is not a folder")
+        raise WorkdirError(f"{what} {wd}: exists and is not a folder")
     blocker = next((p for p in wd.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise WorkdirError(f"workdir {wd}: cannot be created, {blocker} is a file")
+        raise WorkdirError(f"{what} {wd}: cannot be created, {blocker} is a file")
     try:
         wd.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".scalelab-write-probe-", dir=wd)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise WorkdirError(f"workdir {wd}: not writable ({exc.strerror or exc})") from None
+        raise WorkdirError(f"{what} {wd}: not writable ({exc.strerror or exc})") from None
     return wd
 
 

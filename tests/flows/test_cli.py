@@ -88,3 +88,11 @@ def test_ensure_workdir_refuses_a_folder_it_cannot_write(tmp_path: Path, monkeyp
     monkeypatch.setattr(tempfile, "mkstemp", deny)
     with pytest.raises(WorkdirError, match=r"not writable \(Permission denied\)"):
         ensure_workdir(tmp_path / "wd")
+
+
+def test_an_unusable_prefect_home_is_named_at_once(tmp_path: Path, monkeypatch, capsys):
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "f" / "home"))
+    assert main(["run", "prepare", "--preset", "ci", "--root", str(ROOT), "--workdir", str(tmp_path / "wd")]) == 2
+    err = capsys.readouterr().err
+    assert f"PREFECT_HOME {tmp_path / 'f' / 'home'}: cannot be created, {tmp_path / 'f'} is a file" in err
