@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from tasks.common.config import ConfigError, from_mapping, require, to_dict, where
-from tasks.common.io import atomic_path
+from tasks.common.io import atomic_dir, atomic_path
 
 _SETTING_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -202,6 +202,35 @@ def register_method(name: str, config_cls: type[MethodSpec]) -> Callable[[Compre
     return METHODS.register(name, config_cls)
 
 
+DequantizeFn = Callable[..., dict[str, torch.Tensor]]
+"""``dequantized_state(tensors, meta, **options) -> state dict`` of one method's stored format."""
+
+_DEQUANTIZERS: dict[str, DequantizeFn] = {}
+
+
+def register_dequantizer(name: str) -> Callable[[DequantizeFn], DequantizeFn]:
+    """Decorator registering how method ``name``'s stored tensors become a full state dict.
+
+    The function takes ``(tensors, meta, **options)`` (options such as ``bits`` for a method whose
+    one artifact serves several precisions) and raises ``ValueError`` for a malformed artifact.
+    """
+
+    def decorator(fn: DequantizeFn) -> DequantizeFn:
+        _DEQUANTIZERS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_dequantizer(name: str) -> DequantizeFn:
+    """The registered dequantizer of method ``name``; ``KeyError`` listing the known ones."""
+    METHODS._discover()
+    try:
+        return _DEQUANTIZERS[name]
+    except KeyError:
+        raise KeyError(f"no dequantizer for compression method {name!r}; known: {', '.join(sorted(_DEQUANTIZERS))}") from None
+
+
 def get_method(name: str) -> RegisteredMethod[CompressFn]:
     """The registered method ``name`` (``.config_cls``, ``.fn``); ``KeyError`` listing known names."""
     return METHODS.get(name)
@@ -288,6 +317,85 @@ def load_compressed(path: str | Path, device: str | torch.device = "cpu") -> tup
         meta = json.loads((fh.metadata() or {}).get(_META_KEY, "{}"))
         tensors = {k: fh.get_tensor(k) for k in fh.keys()}
     return tensors, meta
+
+
+def base_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """What an artifact records of the model it came from, so loading onto another model is refused.
+
+    ``class`` (the model's class name), ``n_params`` and ``shapes`` (every state-dict entry's shape).
+    """
+    return {
+        "class": type(model).__name__,
+        "n_params": int(sum(t.numel() for t in unique_state(model)[0].values())),
+        "shapes": {k: list(v.shape) for k, v in model.state_dict().items()},
+    }
+
+
+def load_compressed_model(path: str | Path, base_model: nn.Module, **options: Any) -> nn.Module:
+    """The evaluable (dequantized) model from a file written by :func:`save_compressed`.
+
+    ``base_model`` is the uncompressed model the artifact came from (left unchanged): it supplies the
+    architecture; every one of its tensors is replaced from the file. ``options`` go to the method's
+    dequantizer (``bits=3`` picks the precision of an AnyBCQ artifact). Returns a copy of
+    ``base_model`` in eval mode, in the dtypes the artifact records, whose logits equal those of
+    the :class:`CompressedModel` that was saved.
+
+    Raises ``ValueError`` naming the file when its metadata is missing, it was made from a model
+    of another shape, or a stored tensor does not match its layout; ``KeyError`` for an unknown method.
+
+    >>> save_compressed(compress(model, RTNConfig(bits=4)), "m.safetensors")   # doctest: +SKIP
+    >>> qmodel = load_compressed_model("m.safetensors", model)                 # doctest: +SKIP
+    """
+    import copy
+
+    tensors, meta = load_compressed(path)
+    if not meta or "method" not in meta:
+        raise ValueError(f"{path}: no scalelab metadata (not written by save_compressed, or truncated)")
+    base = meta.get("base")
+    if base is not None:
+        shapes = {k: list(v.shape) for k, v in base_model.state_dict().items()}
+        if base.get("shapes") != shapes:
+            diff = sorted(k for k in set(shapes) | set(base.get("shapes", {}))
+                          if shapes.get(k) != base.get("shapes", {}).get(k))
+            raise ValueError(
+                f"{path}: made from a {base.get('class')} with {base.get('n_params')} parameters whose "
+                f"shapes differ from the base model given ({type(base_model).__name__}) at {diff[:3]}"
+            )
+    try:
+        state = get_dequantizer(meta["method"])(tensors, meta, **options)
+    except KeyError as exc:
+        if "no dequantizer" in str(exc):
+            raise
+        raise ValueError(f"{path}: missing tensor {exc} for method {meta['method']!r}") from None
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    model = copy.deepcopy(base_model)
+    expected = model.state_dict()
+    for k, v in state.items():
+        if k in expected and tuple(expected[k].shape) != tuple(v.shape):
+            raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, the base model's is {tuple(expected[k].shape)}")
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{path}: tensors do not match the base model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def export_dequantized(model: nn.Module, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write a (dequantized) transformers model as a plain ``save_pretrained`` folder (safetensors).
+
+    ``from_pretrained(out_dir)`` loads it in any tool; ``dtype`` (e.g. ``torch.bfloat16``) casts first.
+    """
+    import copy
+
+    out = Path(out_dir)
+    m = copy.deepcopy(model).to(dtype) if dtype is not None else model
+    if not hasattr(m, "save_pretrained"):
+        raise TypeError(f"{type(model).__name__} is not a transformers model (no save_pretrained)")
+    with atomic_dir(out) as tmp:
+        m.save_pretrained(str(tmp))
+    return out
 
 
 def unique_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

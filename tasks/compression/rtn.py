@@ -9,6 +9,10 @@ widened to include 0; see :mod:`kernels.group_quant.reference` for the exact ari
 so ``|W - W_hat| <= scale / 2`` element-wise. No calibration data is used. On disk a quantized weight
 is three tensors: ``<name>.qweight`` (codes bit-packed per row: two per byte at 4 bits),
 ``<name>.scales`` and ``<name>.zeros`` (fp16, (out, groups)); every other parameter is stored as is.
+
+``symmetric: true`` fixes the zero point at ``2**(bits-1)`` (levels ``-2**(bits-1) .. 2**(bits-1)-1``
+times ``scale = absmax / (2**(bits-1) - 1)``, largest value clipped to the top level on the
+negative side only) and stores no zeros, saving 16 bits per group.
 """
 
 from __future__ import annotations
@@ -24,7 +28,15 @@ from torch import nn
 
 from kernels.group_quant import dequantize, pack_codes, packed_cols, quantize, unpack_codes
 from tasks.common.config import require, to_dict
-from tasks.compression.registry import CompressedModel, MethodSpec, register_method, unique_state
+from kernels.group_quant.reference import FP16_MIN_NORMAL, n_groups
+from tasks.compression.registry import (
+    CompressedModel,
+    MethodSpec,
+    base_fingerprint,
+    register_dequantizer,
+    register_method,
+    unique_state,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,12 +48,31 @@ class RTNConfig(MethodSpec):
     method: Literal["rtn"] = "rtn"
     bits: int = 4
     group_size: int = 128
+    symmetric: bool = False
     skip: tuple[str, ...] = ("lm_head", "*.lm_head")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(2 <= self.bits <= 8, "bits", f"must be in 2..8, got {self.bits}")
         require(self.group_size >= 1, "group_size", f"must be >= 1, got {self.group_size}")
+
+
+def symmetric_quantize(w: torch.Tensor, *, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-group symmetric RTN: ``(q uint8, scale fp16, zero fp16)`` with every zero ``2**(bits-1)``.
+
+    ``scale = fp16_up(absmax / (2**(bits-1) - 1))``, so ``q - zero`` spans ``-2**(bits-1) .. 2**(bits-1)-1``
+    and the same :func:`kernels.group_quant.dequantize` reads it.
+    """
+    rows, cols = w.shape
+    g = n_groups(cols, group_size)
+    x = torch.nn.functional.pad(w.float(), (0, g * group_size - cols)).reshape(rows, g, group_size)
+    half = 2 ** (bits - 1)
+    amax = x.abs().amax(dim=-1)
+    scale = torch.clamp((amax / max(half - 1, 1) * (1 + 2.0**-10)).half().float(), min=FP16_MIN_NORMAL)
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.floor(x / scale[..., None] + 0.5) + half, 0, 2 * half - 1)
+    q = q.reshape(rows, -1)[:, :cols].to(torch.uint8)
+    return q, scale.half(), torch.full_like(scale, float(half)).half()
 
 
 def quantized_linears(model: nn.Module, skip: tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
@@ -78,16 +109,18 @@ def compress_rtn(model: nn.Module, cfg: RTNConfig, *, calib_tokens: np.ndarray |
                 f"add {name!r} to skip"
             )
         w = mod.weight.detach()
-        q, scale, zero = quantize(w, bits=cfg.bits, group_size=cfg.group_size)
+        quant = symmetric_quantize if cfg.symmetric else quantize
+        q, scale, zero = quant(w, bits=cfg.bits, group_size=cfg.group_size)
         with torch.no_grad():
             mod.weight.copy_(dequantize(q, scale, zero, group_size=cfg.group_size, dtype=w.dtype))
         packed = pack_codes(q, cfg.bits)
         quantized[f"{key}.qweight"] = packed
         quantized[f"{key}.scales"] = scale
-        quantized[f"{key}.zeros"] = zero
+        if not cfg.symmetric:
+            quantized[f"{key}.zeros"] = zero
         layout[key] = {"shape": list(w.shape), "dtype": str(w.dtype).removeprefix("torch."),
-                       "bits": cfg.bits, "group_size": cfg.group_size}
-        stored_bits += 8 * (packed.numel() + 2 * scale.numel() + 2 * zero.numel())
+                       "bits": cfg.bits, "group_size": cfg.group_size, "symmetric": cfg.symmetric}
+        stored_bits += 8 * (packed.numel() + 2 * scale.numel() + (0 if cfg.symmetric else 2 * zero.numel()))
         n_quantized += w.numel()
     tensors = {k: v for k, v in state.items() if k not in layout}
     tensors.update(quantized)
@@ -96,12 +129,14 @@ def compress_rtn(model: nn.Module, cfg: RTNConfig, *, calib_tokens: np.ndarray |
         "config": to_dict(cfg),
         "quantized": layout,
         "tied": tied,
+        "base": base_fingerprint(model),
         "n_quantized_params": n_quantized,
         "bits_per_weight": stored_bits / n_quantized if n_quantized else None,
     }
     return CompressedModel(model=qmodel, tensors=tensors, meta=meta)
 
 
+@register_dequantizer("rtn")
 def dequantized_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Rebuild a full state dict from stored RTN tensors (as :func:`load_compressed` returns them).
 
@@ -113,12 +148,19 @@ def dequantized_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) ->
     for key, spec in quantized.items():
         rows, cols = spec["shape"]
         bits, group_size = spec["bits"], spec["group_size"]
+        if not (isinstance(bits, int) and 2 <= bits <= 8):
+            raise ValueError(f"{key}: unknown bit width {bits!r} (RTN stores 2..8)")
         packed = tensors[f"{key}.qweight"]
         if tuple(packed.shape) != (rows, packed_cols(cols, bits)):
             raise ValueError(f"{key}.qweight: shape {tuple(packed.shape)} does not match {spec}")
         q = unpack_codes(packed, bits, cols)
         dtype = getattr(torch, spec["dtype"])
-        state[key] = dequantize(q, tensors[f"{key}.scales"], tensors[f"{key}.zeros"], group_size=group_size, dtype=dtype)
+        scales = tensors[f"{key}.scales"]
+        if spec.get("symmetric"):
+            zeros = torch.full_like(scales, float(2 ** (bits - 1)))
+        else:
+            zeros = tensors[f"{key}.zeros"]
+        state[key] = dequantize(q, scales, zeros, group_size=group_size, dtype=dtype)
     suffixes = (".qweight", ".scales", ".zeros")
     for k, v in tensors.items():
         if not (k.endswith(suffixes) and k.rsplit(".", 1)[0] in quantized):

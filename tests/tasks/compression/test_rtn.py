@@ -169,3 +169,70 @@ def test_tied_model_round_trips(tmp_path):
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         RTNConfig(**bad)
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
+def test_load_compressed_model_gives_the_same_logits(model, tokens, tmp_path, symmetric):
+    from tasks.compression.registry import load_compressed_model
+
+    cm = compress_rtn(model, RTNConfig(bits=3, group_size=24, symmetric=symmetric))
+    path = tmp_path / "m.safetensors"
+    save_compressed(cm, path)
+    loaded = load_compressed_model(path, model)
+    assert loaded is not model and not loaded.training
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=tokens).logits, cm.model(input_ids=tokens).logits)
+        assert not torch.equal(loaded(input_ids=tokens).logits, model(input_ids=tokens).logits)
+    assert ("model.layers.0.mlp.up_proj.weight.zeros" in cm.tensors) == (not symmetric)
+
+
+def test_symmetric_rtn_stores_no_zeros_and_keeps_the_error_bound(model):
+    cm = compress_rtn(model, RTNConfig(bits=4, group_size=32, symmetric=True))
+    assert cm.meta["bits_per_weight"] == pytest.approx(4 + 16 / 32)
+    w = dict(model.named_parameters())["model.layers.1.mlp.down_proj.weight"]
+    deq = dict(cm.model.named_parameters())["model.layers.1.mlp.down_proj.weight"]
+    step = cm.tensors["model.layers.1.mlp.down_proj.weight.scales"].float().repeat_interleave(32, dim=1)
+    assert ((w - deq).abs() <= step / 2 * (1 + 1e-5)).all()
+
+
+def test_a_mismatched_or_malformed_artifact_is_refused(model, tmp_path):
+    from tasks.compression.registry import load_compressed_model
+
+    cm = compress_rtn(model, RTNConfig(bits=4, group_size=32))
+    save_compressed(cm, tmp_path / "ok.safetensors")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
+    with pytest.raises(ValueError, match="shapes differ from the base model"):
+        load_compressed_model(tmp_path / "ok.safetensors", other)
+    bad_bits = CompressedModel(model=cm.model, tensors=cm.tensors, meta=cm.meta | {
+        "quantized": {k: v | {"bits": 11} for k, v in cm.meta["quantized"].items()}})
+    save_compressed(bad_bits, tmp_path / "bits.safetensors")
+    with pytest.raises(ValueError, match="unknown bit width 11"):
+        load_compressed_model(tmp_path / "bits.safetensors", model)
+    key = "model.layers.0.self_attn.q_proj.weight.scales"
+    wrong = CompressedModel(model=cm.model, tensors=cm.tensors | {key: cm.tensors[key][:, :1]}, meta=cm.meta)
+    save_compressed(wrong, tmp_path / "shape.safetensors")
+    with pytest.raises(ValueError, match="shape.safetensors: scale/zero: expected shape"):
+        load_compressed_model(tmp_path / "shape.safetensors", model)
+    missing = CompressedModel(model=cm.model, tensors={k: v for k, v in cm.tensors.items() if k != key}, meta=cm.meta)
+    save_compressed(missing, tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError, match="missing tensor"):
+        load_compressed_model(tmp_path / "missing.safetensors", model)
+    no_meta = CompressedModel(model=cm.model, tensors=cm.tensors, meta={})
+    save_compressed(no_meta, tmp_path / "nometa.safetensors")
+    with pytest.raises(ValueError, match="no scalelab metadata"):
+        load_compressed_model(tmp_path / "nometa.safetensors", model)
+
+
+def test_export_dequantized_loads_with_from_pretrained(model, tokens, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tasks.compression.registry import export_dequantized
+
+    cm = compress_rtn(model, RTNConfig(bits=4, group_size=32))
+    out = export_dequantized(cm.model, tmp_path / "hf")
+    again = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=tokens).logits, cm.model(input_ids=tokens).logits)
