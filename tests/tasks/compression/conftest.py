@@ -1,0 +1,28 @@
+"""Shared by the compression tests: a tiny Llama and text sampled from it (calibration and held-out)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tasks.compression.test_rtn import VOCAB, tiny_llama
+
+
+def self_samples(model, n: int, length: int, seed: int) -> torch.Tensor:
+    """(n, length) token ids the model itself generates: text from the model's own distribution, so
+    calibration statistics and the held-out loss are those of 'real' inputs, not uniform noise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, 1), generator=g)
+    with torch.no_grad():
+        for _ in range(length - 1):
+            p = model(input_ids=x).logits[:, -1].softmax(-1)
+            x = torch.cat([x, torch.multinomial(p, 1, generator=g)], 1)
+    return x
+
+
+@pytest.fixture(scope="session")
+def model_and_text():
+    """``(model, calib (8, 64), held_out (8, 64))``; the two samples are disjoint draws."""
+    model = tiny_llama()
+    both = self_samples(model, 16, 64, seed=1)
+    return model, both[:8], both[8:]
