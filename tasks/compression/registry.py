@@ -346,11 +346,21 @@ def load_compressed_model(path: str | Path, base_model: nn.Module, **options: An
     >>> save_compressed(compress(model, RTNConfig(bits=4)), "m.safetensors")   # doctest: +SKIP
     >>> qmodel = load_compressed_model("m.safetensors", model)                 # doctest: +SKIP
     """
+    tensors, meta = load_compressed(path)
+    try:
+        return model_from_tensors(tensors, meta, base_model, **options)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def model_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], base_model: nn.Module,
+                       **options: Any) -> nn.Module:
+    """What :func:`load_compressed_model` does once the file is read (also used on a
+    :class:`CompressedModel`'s own ``tensors``/``meta``, e.g. to serve another AnyBCQ precision)."""
     import copy
 
-    tensors, meta = load_compressed(path)
     if not meta or "method" not in meta:
-        raise ValueError(f"{path}: no scalelab metadata (not written by save_compressed, or truncated)")
+        raise ValueError("no scalelab metadata (not written by save_compressed, or truncated)")
     base = meta.get("base")
     if base is not None:
         shapes = {k: list(v.shape) for k, v in base_model.state_dict().items()}
@@ -358,7 +368,7 @@ def load_compressed_model(path: str | Path, base_model: nn.Module, **options: An
             diff = sorted(k for k in set(shapes) | set(base.get("shapes", {}))
                           if shapes.get(k) != base.get("shapes", {}).get(k))
             raise ValueError(
-                f"{path}: made from a {base.get('class')} with {base.get('n_params')} parameters whose "
+                f"made from a {base.get('class')} with {base.get('n_params')} parameters whose "
                 f"shapes differ from the base model given ({type(base_model).__name__}) at {diff[:3]}"
             )
     try:
@@ -366,18 +376,18 @@ def load_compressed_model(path: str | Path, base_model: nn.Module, **options: An
     except KeyError as exc:
         if "no dequantizer" in str(exc):
             raise
-        raise ValueError(f"{path}: missing tensor {exc} for method {meta['method']!r}") from None
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"missing tensor {exc} for method {meta['method']!r}") from None
+    except TypeError as exc:
+        raise ValueError(f"{meta['method']}: {exc}") from None
     model = copy.deepcopy(base_model)
     expected = model.state_dict()
     for k, v in state.items():
         if k in expected and tuple(expected[k].shape) != tuple(v.shape):
-            raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, the base model's is {tuple(expected[k].shape)}")
+            raise ValueError(f"{k} has shape {tuple(v.shape)}, the base model's is {tuple(expected[k].shape)}")
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{path}: tensors do not match the base model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ValueError(f"tensors do not match the base model (missing {missing[:3]}, unexpected {unexpected[:3]})")
     model.load_state_dict(state, strict=True)
     return model.eval()
 

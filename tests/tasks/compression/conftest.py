@@ -13,11 +13,14 @@ def self_samples(model, n: int, length: int, seed: int) -> torch.Tensor:
     calibration statistics and the held-out loss are those of 'real' inputs, not uniform noise."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, VOCAB, (n, 1), generator=g)
+    past = None
+    out = [x]
     with torch.no_grad():
-        for _ in range(length - 1):
-            p = model(input_ids=x).logits[:, -1].softmax(-1)
-            x = torch.cat([x, torch.multinomial(p, 1, generator=g)], 1)
-    return x
+        for _ in range(length - 1):  # with a KV cache: one new token per step
+            step = model(input_ids=out[-1], past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            out.append(torch.multinomial(step.logits[:, -1].softmax(-1), 1, generator=g))
+    return torch.cat(out, 1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,275 @@
+"""AnyBCQ: binary-coded quantization with progressive precision expansion, one artifact for 2/3/4 bits.
+
+Binary-coded quantization (BCQ; Xu et al. 2018, "Alternating multi-bit quantization") writes each
+group of ``group_size`` input channels of a weight row as a sum of sign planes::
+
+    w ≈ z + Σ_{p=1..k} α_p b_p,      b_p ∈ {-1, +1}^group_size,   α_p, z per (row, group)   (1)
+
+AnyBCQ (Park et al. 2025, "AnyBCQ: hardware-efficient flexible binary-coded quantization for
+multi-precision LLMs") makes the planes *nested*: the ``min_bits`` planes are fitted by
+alternating minimisation (best sign pattern per weight given the scales — all ``2**k`` candidates —
+then least-squares scales given the signs), and each further plane is the sign of the current
+residual, ``b_{k+1} = sign(w - ŵ_k)``, with every earlier plane frozen and only the scales
+re-solved by least squares for the new precision. So precision ``k`` reads planes ``1..k`` and its
+own scale set; one stored artifact serves every ``k`` in ``min_bits..max_bits``, chosen at load
+time (``load_compressed_model(path, base, bits=3)``). Because level ``k+1``'s least squares spans
+level ``k``'s basis plus one plane, the weight error can only fall with ``k`` (up to fp16 rounding
+of the scales).
+
+``offset`` adds the per-group constant ``z`` of (1) (affine BCQ, as in LUT-GEMM's BCQ with offset);
+without it the levels are symmetric around zero, as in the paper's formula.
+
+On disk per quantized weight (rows, cols): ``<name>.planes`` uint8 (max_bits, rows, ceil(cols / 8)),
+sign bits packed little-endian along columns (bit 1 = +1); for every precision ``k``
+``<name>.scales.<k>`` fp16 (rows, groups, k) and, with ``offset``, ``<name>.offset.<k>`` fp16
+(rows, groups). ``bits_per_weight`` at precision ``k`` counts what serving ``k`` bits reads:
+``k + 16 (k + offset) / group_size``; ``artifact_bits_per_weight`` counts every plane and scale set.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from kernels.group_quant.reference import n_groups
+from tasks.common.config import require, to_dict
+from tasks.compression._calib import quantized_linears
+from tasks.compression.registry import (
+    CompressedModel,
+    MethodSpec,
+    base_fingerprint,
+    register_dequantizer,
+    register_method,
+    unique_state,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnyBCQConfig(MethodSpec):
+    """``min_bits``..``max_bits``: the precisions one artifact serves (1..8); ``bits``: the one the
+    returned model uses and its row reports (the stage evaluates all of them); ``group_size``:
+    input channels sharing scales; ``iters``: alternating sign/least-squares rounds at ``min_bits``;
+    ``offset``: a per-group constant beside the planes."""
+
+    method: Literal["anybcq"] = "anybcq"
+    bits: int = 2
+    min_bits: int = 2
+    max_bits: int = 4
+    group_size: int = 128
+    iters: int = 15
+    offset: bool = True
+    skip: tuple[str, ...] = ("lm_head", "*.lm_head")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(1 <= self.min_bits <= self.max_bits <= 8, "max_bits",
+                f"need 1 <= min_bits <= max_bits <= 8, got {self.min_bits}..{self.max_bits}")
+        require(self.min_bits <= self.bits <= self.max_bits, "bits",
+                f"must be in min_bits..max_bits = {self.min_bits}..{self.max_bits}, got {self.bits}")
+        require(self.group_size >= 2, "group_size", f"must be >= 2, got {self.group_size}")
+        require(self.iters >= 0, "iters", f"must be >= 0, got {self.iters}")
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) -> values and a 0/1 mask, both (rows, groups, group_size) (padding masked out)."""
+    rows, cols = w.shape
+    g = n_groups(cols, group_size)
+    pad = g * group_size - cols
+    x = torch.nn.functional.pad(w.float(), (0, pad)).reshape(rows, g, group_size)
+    m = torch.nn.functional.pad(torch.ones(rows, cols), (0, pad)).reshape(rows, g, group_size)
+    return x, m
+
+
+def _solve_scales(x: torch.Tensor, m: torch.Tensor, planes: torch.Tensor, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least-squares ``α`` (rows, groups, k) and ``z`` (rows, groups) for fixed planes (k, rows, groups, gs),
+    rounded to fp16 (as stored)."""
+    basis = planes.permute(1, 2, 3, 0)  # (rows, groups, gs, k)
+    if offset:
+        basis = torch.cat([basis, torch.ones_like(basis[..., :1])], dim=-1)
+    bm = basis * m[..., None]
+    ata = bm.transpose(-1, -2) @ bm
+    atb = (bm * x[..., None]).sum(-2)
+    ridge = 1e-6 * ata.diagonal(dim1=-2, dim2=-1).mean(-1).clamp(min=1e-12)
+    eye = torch.eye(ata.shape[-1])
+    sol = torch.linalg.solve(ata + ridge[..., None, None] * eye, atb[..., None])[..., 0]
+    sol = sol.half().float()
+    k = planes.shape[0]
+    alpha = sol[..., :k]
+    z = sol[..., k] if offset else torch.zeros_like(sol[..., 0])
+    return alpha, z
+
+
+def _reconstruct(planes: torch.Tensor, alpha: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """(k, rows, groups, gs) planes, (rows, groups, k) scales, (rows, groups) offset -> (rows, groups, gs)."""
+    return z[..., None] + torch.einsum("prgs,rgp->rgs", planes, alpha)
+
+
+def bcq_progressive(
+    w: torch.Tensor, *, min_bits: int, max_bits: int, group_size: int, iters: int = 15, offset: bool = True,
+) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Fit nested BCQ planes to ``w`` (rows, cols).
+
+    Returns ``planes`` (max_bits, rows, cols) float ±1 and ``{k: (alpha (rows, groups, k), z (rows, groups))}``
+    for every ``k`` in ``min_bits..max_bits`` (fp32 values on the fp16 grid).
+    """
+    rows, cols = w.shape
+    x, m = _grouped(w, group_size)
+    k0 = min_bits
+    # Greedy start: each plane the sign of the residual, its scale the residual's mean magnitude.
+    z = (x * m).sum(-1) / m.sum(-1) if offset else torch.zeros(x.shape[:2])
+    r = x - z[..., None]
+    planes = []
+    for _ in range(k0):
+        b = torch.where(r >= 0, 1.0, -1.0)
+        a = (r.abs() * m).sum(-1) / m.sum(-1)
+        planes.append(b)
+        r = r - a[..., None] * b
+    p = torch.stack(planes)
+    alpha, z = _solve_scales(x, m, p, offset)
+    combos = torch.tensor(list(itertools.product([-1.0, 1.0], repeat=k0)))  # (2**k0, k0)
+    for _ in range(iters):
+        # Best sign pattern per weight given the scales: the nearest of the 2**k0 levels.
+        levels = z[..., None] + alpha @ combos.T  # (rows, groups, 2**k0)
+        best = (x[..., None] - levels[..., None, :]).abs().argmin(-1)  # (rows, groups, gs)
+        new = combos[best].permute(3, 0, 1, 2)  # (k0, rows, groups, gs)
+        if torch.equal(new, p):
+            break
+        p = new
+        alpha, z = _solve_scales(x, m, p, offset)
+    scales = {k0: (alpha, z)}
+    for k in range(k0 + 1, max_bits + 1):
+        residual = x - _reconstruct(p, alpha, z)
+        p = torch.cat([p, torch.where(residual >= 0, 1.0, -1.0)[None]])  # earlier planes frozen
+        alpha, z = _solve_scales(x, m, p, offset)
+        scales[k] = (alpha, z)
+    planes_flat = p.reshape(max_bits, rows, -1)[..., :cols]
+    return planes_flat, scales
+
+
+def pack_planes(planes: torch.Tensor) -> torch.Tensor:
+    """±1 planes (P, rows, cols) -> uint8 (P, rows, ceil(cols / 8)), bit ``j % 8`` of byte ``j // 8`` = (b_j > 0)."""
+    P, rows, cols = planes.shape
+    nbytes = (cols + 7) // 8
+    bits = torch.nn.functional.pad((planes > 0).to(torch.int32), (0, nbytes * 8 - cols)).reshape(P, rows, nbytes, 8)
+    weights = 1 << torch.arange(8, dtype=torch.int32)
+    return (bits * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_planes(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """Inverse of :func:`pack_planes`: uint8 (P, rows, ceil(cols / 8)) -> float ±1 (P, rows, cols)."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = ((packed[..., None] >> shifts) & 1).reshape(*packed.shape[:-1], -1)[..., :cols]
+    return bits.float() * 2 - 1
+
+
+def bcq_dequantize(planes: torch.Tensor, alpha: torch.Tensor, z: torch.Tensor, *, group_size: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``z + Σ_p α_p b_p`` per group: planes ±1 (k, rows, cols), alpha (rows, groups, k), z (rows, groups)."""
+    k, rows, cols = planes.shape
+    g = n_groups(cols, group_size)
+    if alpha.shape != (rows, g, k) or z.shape != (rows, g):
+        raise ValueError(f"scales: expected {(rows, g, k)} and offset {(rows, g)} for {k} planes of {(rows, cols)} "
+                         f"in groups of {group_size}, got {tuple(alpha.shape)} and {tuple(z.shape)}")
+    p = torch.nn.functional.pad(planes, (0, g * group_size - cols)).reshape(k, rows, g, group_size)
+    return _reconstruct(p, alpha.float(), z.float()).reshape(rows, -1)[:, :cols].to(dtype)
+
+
+def bits_per_weight(bits: int, group_size: int, offset: bool) -> float:
+    """Storage read to serve ``bits``: the planes plus fp16 scales (and offset) per group."""
+    return bits + 16 * (bits + int(offset)) / group_size
+
+
+@register_method("anybcq", AnyBCQConfig)
+def compress_anybcq(model: nn.Module, cfg: AnyBCQConfig, *, calib_tokens: np.ndarray | None = None) -> CompressedModel:
+    """AnyBCQ a copy of ``model`` (data-free; ``calib_tokens`` unused) into one multi-precision artifact.
+
+    ``model`` of the result serves ``cfg.bits``; ``meta["precisions"]`` maps every servable bit width
+    to its ``bits_per_weight``; ``meta["weight_error"]`` the relative Frobenius error per precision.
+    """
+    del calib_tokens
+    qmodel = copy.deepcopy(model)
+    state, tied = unique_state(qmodel)
+    targets = quantized_linears(qmodel, cfg.skip)
+    layout: dict[str, dict[str, Any]] = {}
+    quantized: dict[str, torch.Tensor] = {}
+    err = {k: 0.0 for k in range(cfg.min_bits, cfg.max_bits + 1)}
+    norm = 0.0
+    n_quantized = 0
+    for name, mod in targets:
+        key = f"{name}.weight"
+        if key in tied or key in tied.values():
+            raise ValueError(f"{key} is tied to another tensor; quantizing it would change both — add {name!r} to skip")
+        w = mod.weight.detach()
+        planes, scales = bcq_progressive(w, min_bits=cfg.min_bits, max_bits=cfg.max_bits, group_size=cfg.group_size,
+                                         iters=cfg.iters, offset=cfg.offset)
+        quantized[f"{key}.planes"] = pack_planes(planes)
+        for k, (alpha, z) in scales.items():
+            quantized[f"{key}.scales.{k}"] = alpha.half()
+            if cfg.offset:
+                quantized[f"{key}.offset.{k}"] = z.half()
+            w_k = bcq_dequantize(planes[:k], alpha, z, group_size=cfg.group_size)
+            err[k] += float(((w.float() - w_k) ** 2).sum())
+        norm += float((w.float() ** 2).sum())
+        layout[key] = {"shape": list(w.shape), "dtype": str(w.dtype).removeprefix("torch."),
+                       "min_bits": cfg.min_bits, "max_bits": cfg.max_bits, "group_size": cfg.group_size,
+                       "offset": cfg.offset}
+        n_quantized += w.numel()
+    tensors = {k: v for k, v in state.items() if k not in layout}
+    tensors.update(quantized)
+    precisions = {str(k): bits_per_weight(k, cfg.group_size, cfg.offset) for k in range(cfg.min_bits, cfg.max_bits + 1)}
+    artifact_bits = sum(8 * v.numel() * v.element_size() for v in quantized.values())
+    meta = {
+        "method": cfg.method,
+        "config": to_dict(cfg),
+        "quantized": layout,
+        "tied": tied,
+        "base": base_fingerprint(model),
+        "n_quantized_params": n_quantized,
+        "bits": cfg.bits,
+        "precisions": precisions,
+        "bits_per_weight": precisions[str(cfg.bits)],
+        "artifact_bits_per_weight": artifact_bits / n_quantized if n_quantized else None,
+        "weight_error": {str(k): (v / norm) ** 0.5 if norm else None for k, v in err.items()},
+    }
+    state_k = dequantized_state(tensors, meta)
+    with torch.no_grad():
+        for name, mod in targets:
+            mod.weight.copy_(state_k[f"{name}.weight"])
+    return CompressedModel(model=qmodel, tensors=tensors, meta=meta)
+
+
+@register_dequantizer("anybcq")
+def dequantized_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any], *, bits: int | None = None) -> dict[str, torch.Tensor]:
+    """Full state dict at precision ``bits`` (default: the artifact's ``bits``), reading planes ``1..bits`` only.
+
+    Raises ``ValueError`` for a precision the artifact does not hold or a tensor of the wrong shape.
+    """
+    bits = meta.get("bits") if bits is None else bits
+    available = sorted(int(k) for k in meta.get("precisions", {}))
+    if bits not in available:
+        raise ValueError(f"AnyBCQ artifact serves bits {available}, not {bits!r}")
+    state: dict[str, torch.Tensor] = {}
+    quantized = meta.get("quantized", {})
+    for key, spec in quantized.items():
+        rows, cols = spec["shape"]
+        packed = tensors[f"{key}.planes"]
+        if tuple(packed.shape) != (spec["max_bits"], rows, (cols + 7) // 8):
+            raise ValueError(f"{key}.planes: shape {tuple(packed.shape)} does not match {spec}")
+        planes = unpack_planes(packed[:bits], cols)
+        alpha = tensors[f"{key}.scales.{bits}"]
+        g = n_groups(cols, spec["group_size"])
+        z = tensors[f"{key}.offset.{bits}"] if spec.get("offset") else torch.zeros(rows, g)
+        state[key] = bcq_dequantize(planes, alpha, z, group_size=spec["group_size"], dtype=getattr(torch, spec["dtype"]))
+    for k, v in tensors.items():
+        base = k.split(".weight.", 1)[0] + ".weight" if ".weight." in k else None
+        if base is None or base not in quantized:
+            state[k] = v
+    for alias, target in meta.get("tied", {}).items():
+        state[alias] = state[target]
+    return state
