@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scalelab: error: {exc}", file=sys.stderr)
         return 2
     from tasks.common.config import ConfigError
+    from tasks.common.lock import WorkdirBusy
 
     try:
         if args.command == "run":
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             return _check_params(root)
         if args.command == "serve":
             return _serve(root)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, FileNotFoundError, ValueError, WorkdirBusy) as exc:
         if os.environ.get("SCALELAB_DEBUG"):
             raise
         print(f"scalelab: error: {exc}", file=sys.stderr)
@@ -115,20 +116,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, root: Path) -> int:
-    from flows.runtime import make_context
+    from flows.runtime import claim_workdir, make_context
 
     ctx = make_context(root, preset=args.preset, workdir=args.workdir, runner=args.runner, ray_address=args.ray_address)
     kwargs = dict(root=str(ctx.root), preset=ctx.preset, workdir=str(ctx.workdir), runner=ctx.pipeline.runner)
     if args.ray_address:
         os.environ["SCALELAB_RAY_ADDRESS"] = args.ray_address
-    if args.stage == "all":
-        from flows.pipeline import pipeline_flow
+    # The writer lock is taken before Prefect's server starts, so a second writer touches nothing.
+    with claim_workdir(ctx):
+        if args.stage == "all":
+            from flows.pipeline import pipeline_flow
 
-        pipeline_flow(**kwargs)
-    else:
-        from flows.pipeline import STAGE_FLOWS
+            pipeline_flow(**kwargs)
+        else:
+            from flows.pipeline import STAGE_FLOWS
 
-        STAGE_FLOWS[args.stage](**kwargs, parent_run_id=ctx.parent.run_id if ctx.parent else None)
+            STAGE_FLOWS[args.stage](**kwargs, parent_run_id=ctx.parent.run_id if ctx.parent else None)
     return 0
 
 

@@ -122,7 +122,13 @@ def curate_any(
     *, inputs: list[Path], out: Path, recipe: str, recipe_file: Path | None, root: Path,
     preset: str | None = None, workers: int = 2, runner: str = "local",
 ) -> dict:
-    """``scalelab curate``: one recipe over any JSONL/Parquet corpus, sharded and resumable."""
+    """``scalelab curate``: one recipe over any JSONL/Parquet corpus, sharded and resumable.
+
+    ``out`` has one writer at a time (:func:`tasks.common.lock.workdir_lock`); temporaries a killed
+    run left there are removed first, and its finished shards are reused.
+    """
+    from tasks.common.io import clean_temporaries
+    from tasks.common.lock import workdir_lock
     from tasks.curation.sharded import curate_corpus
 
     cfg, chosen = load_recipe(recipe, recipe_file, root, preset)
@@ -131,4 +137,7 @@ def curate_any(
         from flows.ray_executor import RayExecutor
 
         executor = RayExecutor()
-    return curate_corpus(inputs, out, chosen, n_workers=workers, shard_docs=cfg.shard_docs, executor=executor)
+    with workdir_lock(out) as lock:
+        if lock.fresh:
+            clean_temporaries(out)
+        return curate_corpus(inputs, out, chosen, n_workers=workers, shard_docs=cfg.shard_docs, executor=executor)

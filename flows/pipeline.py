@@ -15,7 +15,8 @@ from flows.prepare import prepare_flow
 from flows.sparse_eval import sparse_eval_flow
 from flows.stage import stage_context
 from flows.train import train_flow
-from tasks.common.tracking import tracked_run
+from flows.runtime import claim_workdir
+from tasks.common.tracking import REPLACES, tracked_run
 
 STAGE_FLOWS = {
     "prepare": prepare_flow,
@@ -41,13 +42,16 @@ def pipeline_flow(
     if unknown:
         raise ValueError(f"unknown stage {unknown[0]!r}; stages: {', '.join(STAGE_FLOWS)}")
     results = {}
-    with tracked_run(
+    tags = {"scalelab.stage": "pipeline", "scalelab.preset": ctx.preset}
+    # One writer per workdir for the whole pipeline; a killed predecessor's runs end as KILLED first.
+    with claim_workdir(ctx) as claim, tracked_run(
         f"pipeline-{ctx.preset}",
         uri=ctx.tracking_uri,
         experiment=ctx.experiment,
         parent=ctx.parent,
         params={"preset": ctx.preset, "runner": ctx.pipeline.runner, "stages": ",".join(chosen)},
-        tags={"scalelab.stage": "pipeline", "scalelab.preset": ctx.preset},
+        tags=tags | ({REPLACES: ",".join(r)} if (r := claim.take_replaced()) else {}),
+        workdir=ctx.workdir,
     ) as run:
         for name in chosen:
             results[name] = STAGE_FLOWS[name](

@@ -6,10 +6,13 @@ stage flow; it is plain data, so it crosses into Ray workers unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +20,8 @@ from typing import Any, Literal
 from tasks.common.config import require, to_dict
 from tasks.common.params import default_preset, load_stage_config
 from tasks.common.tracking import RunRef, tracking_uri
+
+log = logging.getLogger("scalelab")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,12 +35,15 @@ class PipelineConfig:
     ray_address: str | None = None
     ray_num_cpus: int = 2
     gpus_per_train_task: float = 0.0
+    # A RUNNING MLflow run from another host whose heartbeat is older than this is taken as killed.
+    orphan_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
         require(self.local_workers >= 1, "local_workers", "must be >= 1")
         require(self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
         require(self.gpus_per_train_task >= 0, "gpus_per_train_task", "must be >= 0")
         require(bool(self.experiment), "experiment", "must not be empty")
+        require(self.orphan_timeout_s > 0, "orphan_timeout_s", "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,63 @@ def ensure_workdir(path: str | Path, what: str = "workdir") -> Path:
     return wd
 
 
+class WorkdirClaim:
+    """This process's hold on a workdir: the MLflow runs its first claim ended as KILLED wait here
+    until the first run opened under the claim takes them for its ``scalelab.replaces`` tag."""
+
+    def __init__(self) -> None:
+        self._replaced: list[str] = []
+
+    def take_replaced(self) -> list[str]:
+        out, self._replaced = self._replaced, []
+        return out
+
+
+_CLAIMS: dict[Path, WorkdirClaim] = {}
+
+
+@contextlib.contextmanager
+def claim_workdir(ctx: Context) -> Iterator[WorkdirClaim]:
+    """Hold the workdir's writer lock (:func:`tasks.common.lock.workdir_lock`) for the block.
+
+    On the process's first claim, clean up after a crashed predecessor before anything is written:
+    its abandoned lock is taken over with a warning, its temporaries under ``data/``, ``models/``
+    and ``reports/`` are removed (a folder caught mid-swap is restored), and its MLflow runs still
+    RUNNING are ended as KILLED (their ids wait in :meth:`WorkdirClaim.take_replaced`). Nested
+    claims in the same process (the CLI, then the pipeline, then each stage) share the hold.
+    Raises :class:`~tasks.common.lock.WorkdirBusy` naming the holder when another live process
+    writes the workdir.
+    """
+    from tasks.common.io import clean_temporaries
+    from tasks.common.lock import describe, workdir_lock
+    from tasks.common.tracking import close_orphaned_runs
+
+    with workdir_lock(ctx.workdir) as lock:
+        if not lock.fresh:
+            yield _CLAIMS[ctx.workdir]
+            return
+        claim = _CLAIMS[ctx.workdir] = WorkdirClaim()
+        try:
+            if lock.previous:
+                log.warning("workdir %s: taking over the lock left by %s, which is gone",
+                            ctx.workdir, describe(lock.previous))
+            layout = ctx.layout
+            for folder in (layout.data, layout.workdir / "models", layout.reports):
+                cleaned = clean_temporaries(folder)
+                for p in cleaned["restored"]:
+                    log.warning("restored %s from the copy a killed run left mid-swap", p)
+                if cleaned["removed"]:
+                    log.warning("removed %d temporaries a killed run left under %s", len(cleaned["removed"]), folder)
+            claim._replaced = close_orphaned_runs(ctx.tracking_uri, ctx.experiment, workdir=ctx.workdir,
+                                                  timeout_s=ctx.pipeline.orphan_timeout_s)
+            if claim._replaced:
+                log.warning("ended %d MLflow run(s) a killed process left RUNNING, as KILLED: %s",
+                            len(claim._replaced), ", ".join(claim._replaced))
+            yield claim
+        finally:
+            del _CLAIMS[ctx.workdir]
+
+
 def make_context(
     root: str | Path = ".",
     *,
@@ -183,8 +248,6 @@ def task_runner(pipeline: PipelineConfig):
 
 def gpu_options(pipeline: PipelineConfig):
     """A context in which submitted tasks ask Ray for ``gpus_per_train_task`` GPUs (no-op locally)."""
-    import contextlib
-
     if pipeline.runner == "ray" and pipeline.gpus_per_train_task > 0:
         from prefect_ray.context import remote_options
 
@@ -204,8 +267,6 @@ def map_tasks(pipeline: PipelineConfig, task: Any, jobs: list[dict[str, Any]], *
     Locally a thread pool; under ``runner: ray`` one Ray task per job, asking for
     ``gpus_per_train_task`` GPUs when ``gpu``. Call inside a flow so task runs are recorded.
     """
-    import contextlib
-
     runner = task_runner(pipeline)
     with runner, (gpu_options(pipeline) if gpu else contextlib.nullcontext()):
         futures = [runner.submit(task, parameters=job) for job in jobs]

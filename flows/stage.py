@@ -17,10 +17,10 @@ from typing import Any
 
 import polars as pl
 
-from flows.runtime import Context, make_context
+from flows.runtime import Context, claim_workdir, make_context
 from tasks.common.config import to_dict
 from tasks.common.io import write_csv
-from tasks.common.tracking import TrackedRun, tracked_run
+from tasks.common.tracking import REPLACES, TrackedRun, tracked_run
 
 log = logging.getLogger("scalelab")
 
@@ -45,21 +45,22 @@ def stage_run(ctx: Context, stage: str, cfg: Any | None = None, *, run_name: str
               **params: Any) -> Iterator[TrackedRun]:
     """The stage's MLflow run (a child of the pipeline run when there is one), with its resolved config.
 
+    The stage holds the workdir's writer lock while it runs (:func:`flows.runtime.claim_workdir`):
+    a second writer is refused, and what a killed predecessor left is cleaned up first.
+
     A per-item child (one curated variant, one fitted law) passes ``run_name`` (``curate:raw``) and
     keeps ``stage``, so ``params.stage = 'curate'`` finds the stage's runs at every level.
     """
     logged = {"stage": stage, "preset": ctx.preset, **params}
     if cfg is not None:
         logged[stage] = to_dict(cfg)
-    with tracked_run(
-        run_name or stage,
-        uri=ctx.tracking_uri,
-        experiment=ctx.experiment,
-        parent=ctx.parent,
-        params=logged,
-        tags={"scalelab.stage": stage, "scalelab.preset": ctx.preset, "scalelab.workdir": str(ctx.workdir)},
-    ) as run:
-        yield run
+    tags = {"scalelab.stage": stage, "scalelab.preset": ctx.preset}
+    with claim_workdir(ctx) as claim:
+        if replaced := claim.take_replaced():
+            tags[REPLACES] = ",".join(replaced)
+        with tracked_run(run_name or stage, uri=ctx.tracking_uri, experiment=ctx.experiment, parent=ctx.parent,
+                         params=logged, tags=tags, workdir=ctx.workdir) as run:
+            yield run
 
 
 def write_table(ctx: Context, name: str, rows: list[dict[str, Any]], run: TrackedRun | None = None) -> pl.DataFrame:

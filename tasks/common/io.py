@@ -10,11 +10,26 @@ import contextlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import polars as pl
+
+from tasks.common.faults import fault_point
+
+_UMASK_GUARD = threading.Lock()
+
+
+def _plain_mode(folder: bool) -> int:
+    """The mode a plain ``open``/``mkdir`` would give under the current umask (0644/0755 under 022);
+    ``mkstemp``/``mkdtemp`` create 0600/0700, which other users, a web server or a DVC remote
+    sync could not read."""
+    with _UMASK_GUARD:  # os.umask can only be read by setting it
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return (0o777 if folder else 0o666) & ~mask
 
 
 @contextlib.contextmanager
@@ -33,6 +48,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, _plain_mode(folder=False))
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -86,9 +102,11 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        os.chmod(tmp, _plain_mode(folder=True))
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
+            fault_point("atomic_dir.swap")
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -96,3 +114,48 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+_TEMP_SUFFIX = ".tmp"
+_OLD_MARK = ".old-"
+
+
+def clean_temporaries(root: str | Path) -> dict[str, list[Path]]:
+    """Remove what killed atomic writes left under ``root``; restore a folder caught mid-swap.
+
+    Call only while holding the workdir's writer lock (:mod:`tasks.common.lock`): then every
+    temporary is a dead writer's. Temporaries are named ``.<name>.<random>.tmp`` (files and
+    folders, :func:`atomic_path`/:func:`atomic_dir`) and ``.<name>.old-<pid>`` (the previous
+    folder during :func:`atomic_dir`'s two renames). A kill between those renames leaves
+    ``<name>`` missing and ``.<name>.old-<pid>`` complete: it is renamed back, since it is the
+    last complete version. Returns ``{"removed": [...], "restored": [...]}``.
+    """
+    import shutil
+
+    removed: list[Path] = []
+    restored: list[Path] = []
+    root = Path(root)
+    if not root.is_dir():
+        return {"removed": removed, "restored": restored}
+    for dirpath, dirnames, filenames in os.walk(root, topdown=True):
+        here = Path(dirpath)
+        for name in list(dirnames) + filenames:
+            if not name.startswith("."):
+                continue
+            p = here / name
+            if name.endswith(_TEMP_SUFFIX) or name.startswith(".scalelab-write-probe-"):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+                removed.append(p)
+            elif _OLD_MARK in name and p.is_dir():
+                original = here / name[1:].rsplit(_OLD_MARK, 1)[0]
+                if original.exists():
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(p)
+                else:
+                    os.replace(p, original)
+                    restored.append(original)
+            else:
+                continue
+            if name in dirnames:
+                dirnames.remove(name)  # do not walk into what was just removed or moved
+    return {"removed": removed, "restored": restored}

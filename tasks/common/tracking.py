@@ -13,6 +13,13 @@ Names kept consistent across stages so the MLflow UI compares runs side by side:
   ``docs_in``, ``docs_kept``, ``dropped.<reason>``...
 
 A missing value is left out, never logged as 0.
+
+Ownership (crash safety): every run records who owns it, as tags ``scalelab.owner.host``,
+``scalelab.owner.pid``, ``scalelab.owner.start`` (the process's start time, so a reused pid is not
+mistaken for the owner) and ``scalelab.heartbeat`` (unix seconds, refreshed every
+``$SCALELAB_HEARTBEAT_S`` seconds, default 30, while the run is open). A process killed with
+SIGKILL cannot end its own runs; :func:`close_orphaned_runs`, called when the next command starts
+on the workdir, ends them as KILLED with the reason tagged.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping
@@ -89,9 +98,10 @@ class TrackedRun:
     uri: str
     experiment: str
     run_id: str
+    workdir: str | None = None
 
     def ref(self) -> RunRef:
-        return RunRef(uri=self.uri, experiment=self.experiment, run_id=self.run_id)
+        return RunRef(uri=self.uri, experiment=self.experiment, run_id=self.run_id, workdir=self.workdir)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -136,6 +146,148 @@ class RunRef:
     uri: str
     experiment: str
     run_id: str
+    workdir: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Ownership: who opened a run, and whether they are still alive
+
+OWNER_HOST, OWNER_PID, OWNER_START, HEARTBEAT = (
+    "scalelab.owner.host", "scalelab.owner.pid", "scalelab.owner.start", "scalelab.heartbeat")
+WORKDIR_TAG = "scalelab.workdir"
+KILLED_REASON, KILLED_AT, REPLACES = "scalelab.killed.reason", "scalelab.killed.at", "scalelab.replaces"
+DEFAULT_ORPHAN_TIMEOUT_S = 900.0
+
+
+def process_start_time(pid: int) -> str | None:
+    """An identifier of when ``pid`` started (``/proc/<pid>/stat`` field 22, clock ticks since boot),
+    or None when the process does not exist or the platform has no ``/proc``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces: split after its last ')'
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def pid_alive(pid: int, start: str | None = None) -> bool:
+    """Whether process ``pid`` runs on this host (and, when ``start`` is given, is the same process)."""
+    if pid <= 0:
+        return False
+    now_start = process_start_time(pid)
+    if now_start is not None:
+        return start is None or start == now_start
+    if Path("/proc/self/stat").exists():  # /proc exists but not this pid: it is gone
+        return False
+    try:  # no /proc (macOS): signal 0 checks existence only
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def owner_tags() -> dict[str, str]:
+    """The tags naming this process as a run's (or a lock's) owner."""
+    pid = os.getpid()
+    return {OWNER_HOST: socket.gethostname(), OWNER_PID: str(pid), OWNER_START: process_start_time(pid) or "",
+            HEARTBEAT: str(int(time.time()))}
+
+
+def owner_gone(tags: Mapping[str, str], *, timeout_s: float, now: float | None = None) -> str | None:
+    """Why the owner recorded in ``tags`` is gone (a sentence), or None while it may be alive.
+
+    On this host the pid is checked (and its start time, against pid reuse); a run opened on another
+    host (a Ray worker, a second machine on a shared store) is gone when its heartbeat is older than
+    ``timeout_s``.
+    """
+    now = time.time() if now is None else now
+    host, pid = tags.get(OWNER_HOST), tags.get(OWNER_PID)
+    if host == socket.gethostname() and pid and pid.isdigit():
+        if not pid_alive(int(pid), tags.get(OWNER_START) or None):
+            return f"owner process {pid} on {host} is gone"
+        return None
+    beat = tags.get(HEARTBEAT)
+    if beat is not None:
+        age = now - float(beat)
+        return f"no heartbeat from {host}:{pid} for {age:.0f} s (timeout {timeout_s:.0f} s)" if age > timeout_s else None
+    return None
+
+
+class _Heartbeat:
+    """One daemon thread per process refreshing ``scalelab.heartbeat`` on every open run."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, str] = {}  # run id -> tracking uri
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, uri: str, run_id: str) -> None:
+        with self._lock:
+            self._runs[run_id] = uri
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="scalelab-heartbeat", daemon=True)
+                self._thread.start()
+
+    def remove(self, run_id: str) -> None:
+        with self._lock:
+            self._runs.pop(run_id, None)
+
+    def _loop(self) -> None:
+        interval = float(os.environ.get("SCALELAB_HEARTBEAT_S", "30"))
+        while True:
+            time.sleep(interval)
+            with self._lock:
+                runs = dict(self._runs)
+            beat = str(int(time.time()))
+            for run_id, uri in runs.items():
+                with contextlib.suppress(Exception):  # a busy store misses one beat, not the run
+                    _client(uri).set_tag(run_id, HEARTBEAT, beat)
+
+
+_HEARTBEAT = _Heartbeat()
+
+
+def close_orphaned_runs(
+    uri: str,
+    experiment: str = DEFAULT_EXPERIMENT,
+    *,
+    workdir: str | Path | None = None,
+    timeout_s: float = DEFAULT_ORPHAN_TIMEOUT_S,
+) -> list[str]:
+    """End the RUNNING runs of ``experiment`` whose owner is gone, as KILLED; return their ids.
+
+    A run whose owner process is dead on this host is closed whatever its workdir (it can never end
+    otherwise); a run from another host is closed when its heartbeat is older than ``timeout_s`` and
+    it belongs to ``workdir``. Each closed run is tagged with the reason and when it was found.
+    """
+    client = _client(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    from mlflow.entities import ViewType
+
+    now = time.time()
+    closed = []
+    runs = client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'", run_view_type=ViewType.ACTIVE_ONLY,
+                              max_results=50000)
+    for run in runs:
+        tags = run.data.tags
+        if OWNER_PID not in tags:
+            continue  # not opened by scalelab: not ours to judge
+        if tags.get(OWNER_HOST) != socket.gethostname() and (
+                workdir is None or tags.get(WORKDIR_TAG) != str(workdir)):
+            continue
+        reason = owner_gone(tags, timeout_s=timeout_s, now=now)
+        if reason is None:
+            continue
+        with contextlib.suppress(Exception):
+            client.set_tag(run.info.run_id, KILLED_REASON, reason)
+            client.set_tag(run.info.run_id, KILLED_AT, time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)))
+        client.set_terminated(run.info.run_id, status="KILLED")
+        closed.append(run.info.run_id)
+    return closed
 
 
 @contextlib.contextmanager
@@ -147,21 +299,28 @@ def tracked_run(
     parent: RunRef | TrackedRun | None = None,
     params: Mapping[str, Any] | None = None,
     tags: Mapping[str, Any] | None = None,
+    workdir: str | Path | None = None,
 ) -> Iterator[TrackedRun]:
     """Open an MLflow run (a child of ``parent`` when given) that always ends.
 
     FINISHED on success; FAILED on any exception (KeyboardInterrupt included), with
     the error message and traceback tagged, and the exception re-raised. No run is
-    left RUNNING by a failure inside the block.
+    left RUNNING by a failure inside the block; one left by a killed process is closed
+    by :func:`close_orphaned_runs` (the run carries its owner and a heartbeat).
+    ``workdir`` (default: the parent's) is tagged as ``scalelab.workdir``.
     """
     client = _client(uri)
     exp_id = _experiment_id(client, experiment)
-    all_tags = {"mlflow.runName": name}
+    all_tags = {"mlflow.runName": name, **owner_tags()}
     if parent is not None:
         all_tags["mlflow.parentRunId"] = parent.run_id
+    workdir = str(workdir) if workdir is not None else (parent.workdir if parent is not None else None)
+    if workdir is not None:
+        all_tags[WORKDIR_TAG] = workdir
     all_tags.update({k: _param_value(v) for k, v in (tags or {}).items()})
     run = client.create_run(exp_id, run_name=name, tags=all_tags)
-    handle = TrackedRun(uri=uri, experiment=experiment, run_id=run.info.run_id)
+    handle = TrackedRun(uri=uri, experiment=experiment, run_id=run.info.run_id, workdir=workdir)
+    _HEARTBEAT.add(uri, handle.run_id)
     try:
         if params:
             handle.log_params(params)
@@ -170,7 +329,9 @@ def tracked_run(
         with contextlib.suppress(Exception):
             client.set_tag(handle.run_id, "error", _param_value(f"{type(exc).__name__}: {exc}"))
             client.set_tag(handle.run_id, "error.traceback", _param_value(traceback.format_exc()))
+        _HEARTBEAT.remove(handle.run_id)
         client.set_terminated(handle.run_id, status="FAILED")
         raise
     else:
+        _HEARTBEAT.remove(handle.run_id)
         client.set_terminated(handle.run_id, status="FINISHED")

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import polars as pl
 
 from tasks.common.config import require, to_dict
+from tasks.common.faults import fault_point
 from tasks.common.io import read_json, write_json, write_parquet, write_text
 from tasks.curation.prepare import drop_duplicate_ids, shard_frame
 from tasks.curation.recipes import (
@@ -116,6 +117,7 @@ def _write_part(folder: Path, kept: pl.DataFrame, dropped: pl.DataFrame, info: l
     write_parquet(folder / "kept.parquet", kept)
     write_parquet(folder / "dropped.parquet", dropped)
     write_json(folder / "steps.json", info)
+    fault_point("sharded.part")
     write_text(folder / MARKER, "ok\n")  # written last: its presence means the part is complete
 
 

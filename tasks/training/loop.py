@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tasks.common.config import to_dict
+from tasks.common.faults import fault_point
 from tasks.common.io import atomic_path, read_json, write_json
 from tasks.evaluation.loss import evaluate_loss
 from tasks.training.config import TrainingConfig
@@ -240,6 +241,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torc
     st_path = ckpt_dir / f"state-{step:08d}.safetensors"
     with atomic_path(st_path) as tmp:
         save_file(tensors, str(tmp), metadata={"step": str(step)})
+    fault_point("train.checkpoint")
     js_path = write_json(ckpt_dir / f"state-{step:08d}.json", {
         **meta, "step": step, "optim_param_groups": sd["param_groups"], "optim_scalar_state": scalar_state,
     })

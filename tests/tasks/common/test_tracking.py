@@ -43,3 +43,71 @@ def test_dvc_temp_experiments_log_to_the_main_tree(monkeypatch, tmp_path: Path):
     copy = tmp_path / "repo" / ".dvc" / "tmp" / "exps" / "run" / "abc123"
     assert tracking_uri(copy) == f"sqlite:///{tmp_path / 'repo' / 'mlflow.db'}"
     assert tracking_uri(tmp_path / "repo") == f"sqlite:///{tmp_path / 'repo' / 'mlflow.db'}"
+
+
+def _orphan(client, uri: str, name: str, tags: dict) -> str:
+    from tasks.common.tracking import _experiment_id
+
+    return client.create_run(_experiment_id(client, "t"), run_name=name, tags=tags).info.run_id
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_runs_record_their_owner_and_orphans_are_closed_as_killed(uri: str, tmp_path: Path):
+    import os
+    import socket
+    import time
+
+    from tasks.common import tracking as tr
+
+    client = mlflow.MlflowClient(uri)
+    with tracked_run("live", uri=uri, experiment="t", workdir=tmp_path) as live:
+        tags = client.get_run(live.run_id).data.tags
+        assert tags[tr.OWNER_PID] == str(os.getpid()) and tags[tr.OWNER_HOST] == socket.gethostname()
+        assert tags[tr.WORKDIR_TAG] == str(tmp_path) and float(tags[tr.HEARTBEAT]) <= time.time()
+        here, stale = socket.gethostname(), f"{time.time() - 3600:.0f}"
+        dead = _orphan(client, uri, "dead", {tr.OWNER_HOST: here, tr.OWNER_PID: str(_dead_pid())})
+        # the same pid, started at another time: a reused pid is not the owner
+        reused = _orphan(client, uri, "reused", {tr.OWNER_HOST: here, tr.OWNER_PID: str(os.getpid()),
+                                                  tr.OWNER_START: "1"})
+        remote_stale = _orphan(client, uri, "remote-stale", {tr.OWNER_HOST: "worker-7", tr.OWNER_PID: "12",
+                                                              tr.HEARTBEAT: stale, tr.WORKDIR_TAG: str(tmp_path)})
+        remote_fresh = _orphan(client, uri, "remote-fresh", {tr.OWNER_HOST: "worker-7", tr.OWNER_PID: "12",
+                                                              tr.HEARTBEAT: f"{time.time():.0f}",
+                                                              tr.WORKDIR_TAG: str(tmp_path)})
+        other_workdir = _orphan(client, uri, "remote-elsewhere", {tr.OWNER_HOST: "worker-7", tr.OWNER_PID: "12",
+                                                                   tr.HEARTBEAT: stale, tr.WORKDIR_TAG: "/elsewhere"})
+        foreign = _orphan(client, uri, "not-scalelab", {})
+        closed = tr.close_orphaned_runs(uri, "t", workdir=tmp_path, timeout_s=600)
+        assert sorted(closed) == sorted([dead, reused, remote_stale])
+        for run_id in closed:
+            run = client.get_run(run_id)
+            assert run.info.status == "KILLED" and run.data.tags[tr.KILLED_AT]
+        assert "is gone" in client.get_run(dead).data.tags[tr.KILLED_REASON]
+        assert "no heartbeat from worker-7:12" in client.get_run(remote_stale).data.tags[tr.KILLED_REASON]
+        for run_id in (live.run_id, remote_fresh, other_workdir, foreign):
+            assert client.get_run(run_id).info.status == "RUNNING"
+    assert client.get_run(live.run_id).info.status == "FINISHED"
+
+
+def test_heartbeat_is_refreshed_while_a_run_is_open(uri: str, monkeypatch):
+    import time
+
+    from tasks.common import tracking as tr
+
+    monkeypatch.setenv("SCALELAB_HEARTBEAT_S", "0.2")
+    monkeypatch.setattr(tr, "_HEARTBEAT", tr._Heartbeat())
+    client = mlflow.MlflowClient(uri)
+    with tracked_run("long", uri=uri, experiment="t") as run:
+        first = float(client.get_run(run.run_id).data.tags[tr.HEARTBEAT])
+        deadline = time.time() + 10
+        while float(client.get_run(run.run_id).data.tags[tr.HEARTBEAT]) <= first and time.time() < deadline:
+            time.sleep(0.2)
+        assert float(client.get_run(run.run_id).data.tags[tr.HEARTBEAT]) > first
