@@ -1,17 +1,26 @@
-"""Stage 3, compress: every enabled compression setting on every trained model.
+"""Stage 3, compress: every enabled compression setting on every trained model (and on pretrained models).
 
 Run: ``scalelab run compress [--preset ci]``. For each (model, setting): compress, score the
 shared validation split, and write the packed model to ``models/compressed/<variant>/<run>/<setting>.safetensors``
-(``bytes_on_disk`` is that file's size). Writes ``reports/compress.csv``; one MLflow run per pair.
+(``bytes_on_disk`` is that file's size). A multi-precision artifact (AnyBCQ) is stored once and
+scored at every precision it serves, one row each (setting ``<name>@w<bits>``). Pretrained models
+named in ``compression.pretrained`` (SmolLM2-135M) are calibrated on the prepared training text and
+scored on the prepared validation text, both tokenized with their own tokenizer, and written to
+``models/compressed/pretrained/<model>/``. Writes ``reports/compress.csv`` (``model``, ``method``,
+``bits``, ``bits_per_weight``, ``ppl``, ``ppl_fp``, ...); one MLflow run per (model, setting).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from torch import nn
 
 from flows.evaluate_models import tokens_path, trained_models, val_tokens_path
 from flows.runtime import map_tasks
@@ -19,39 +28,143 @@ from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.io import atomic_dir
 from tasks.common.tracking import RunRef, tracked_run
-from tasks.compression.registry import CompressionConfig, compress, save_compressed
+from tasks.compression.registry import (
+    CompressedModel,
+    CompressionConfig,
+    MethodSpec,
+    compress,
+    model_from_tensors,
+    save_compressed,
+)
 from tasks.evaluation.loss import evaluate_loss
 from tasks.training.loop import load_model
 from tasks.training.tokenizer import load_tokens
 
+# Pretrained models the stage can include, by params name -> the name its rows carry.
+PRETRAINED = {"smollm2": "smollm2-135m"}
+
+
+def calib_eval_overlap(calib: np.ndarray | None, val: np.ndarray, n: int = 32) -> float:
+    """Share of the evaluation stream's ``n``-token windows (stride ``n``) found verbatim in the calibration tokens.
+
+    0.0 when calibration and evaluation are disjoint texts; 1.0 when calibrating on the eval set.
+    """
+    if calib is None or len(calib) < n or len(val) < n:
+        return 0.0
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    c = np.ascontiguousarray(sliding_window_view(np.asarray(calib, dtype=np.int64), n))
+    seen = {row.tobytes() for row in c}
+    v = np.asarray(val[: (len(val) // n) * n], dtype=np.int64).reshape(-1, n)
+    return float(np.mean([row.tobytes() in seen for row in v]))
+
+
+def check_overlap(share: float, what: str, limit: float = 0.01) -> None:
+    """Refuse calibration text that overlaps the evaluation text (ppl would be flattered); warn on any overlap."""
+    if share > limit:
+        raise ValueError(f"{what}: {share:.1%} of the evaluation windows occur verbatim in the calibration tokens "
+                         f"(limit {limit:.0%}); calibrate on the training split, not the evaluation text")
+    if share > 0:
+        warnings.warn(f"{what}: {share:.2%} of the evaluation windows also occur in the calibration tokens",
+                      RuntimeWarning, stacklevel=2)
+
+
+def precision_models(cm: CompressedModel, base: nn.Module) -> list[tuple[int | float | None, float | None, nn.Module]]:
+    """``(bits, bits_per_weight, model)`` for every precision the artifact serves (one unless multi-precision)."""
+    precisions = cm.meta.get("precisions")
+    if not precisions:
+        cfg = cm.meta.get("config") or {}
+        bits = cfg.get("budget_bits") or cfg.get("bits")
+        return [(bits, cm.meta.get("bits_per_weight"), cm.model)]
+    out = []
+    for k, bpw in sorted(precisions.items(), key=lambda kv: int(kv[0])):
+        k = int(k)
+        model = cm.model if k == cm.meta.get("bits") else model_from_tensors(cm.tensors, cm.meta, base, bits=k)
+        out.append((k, bpw, model))
+    return out
+
+
+def run_settings(
+    *, model: nn.Module, model_name: str, base_row: dict[str, Any], settings: dict[str, tuple[str, MethodSpec]],
+    val: np.ndarray, calib: np.ndarray | None, seq_len: int, batch_size: int, eval_tokens: int, out_dir: Path,
+    parent: RunRef,
+) -> list[dict]:
+    """Every setting on one model: compress, save, score each served precision; one MLflow child run per setting."""
+    overlap = calib_eval_overlap(calib, val[:eval_tokens])
+    check_overlap(overlap, model_name)
+    base_loss = evaluate_loss(model, val, seq_len, batch_size, max_tokens=eval_tokens)
+    rows = []
+    for setting, (method, mcfg) in settings.items():
+        params = base_row | {
+            "model": model_name, "setting": setting, "method": method,
+            "bits": getattr(mcfg, "bits", None), "group_size": getattr(mcfg, "group_size", None),
+            "calib_tokens": 0 if calib is None else int(len(calib)),
+        }
+        with tracked_run(f"compress:{model_name}:{setting}", uri=parent.uri, experiment=parent.experiment,
+                         parent=parent, params=params | {"stage": "compress", "config": to_dict(mcfg)},
+                         tags={"scalelab.stage": "compress"}) as run:
+            cm = compress(model, mcfg, calib_tokens=calib)
+            size = save_compressed(cm, out_dir / f"{setting}.safetensors")
+            multi = bool(cm.meta.get("precisions"))
+            for bits, bpw, qmodel in precision_models(cm, model):
+                loss = evaluate_loss(qmodel, val, seq_len, batch_size, max_tokens=eval_tokens)
+                suffix = f"@w{bits}" if multi else ""  # the row's setting; MLflow metric names get _w<bits>
+                metrics = {"val_loss": loss, "ppl": math.exp(loss), "ppl_fp": math.exp(base_loss),
+                           "bits_per_weight": bpw, "bytes_on_disk": size, "base_val_loss": base_loss,
+                           "delta_val_loss": loss - base_loss, "calib_eval_overlap": overlap}
+                run.log_metrics({f"{k}_w{bits}" if multi else k: v for k, v in metrics.items() if v is not None})
+                rows.append(params | {"setting": setting + suffix, "bits": bits} | metrics)
+            del cm
+    return rows
+
 
 @task(name="compress-model", cache_policy=NO_CACHE)
 def compress_model(model_row: dict, cfg: CompressionConfig, out_dir: str, parent: RunRef) -> list[dict]:
-    """Every enabled setting on one trained model; one MLflow child run per setting."""
+    """Every enabled setting on one trained model."""
     model, meta = load_model(model_row["model_dir"])
     seq_len = cfg.seq_len or meta["seq_len"]
     val = load_tokens(model_row["val_path"])
     calib = load_tokens(model_row["train_path"])[: cfg.calib_tokens] if cfg.calib_tokens else None
-    base_loss = evaluate_loss(model, val, seq_len, cfg.batch_size, max_tokens=cfg.eval_tokens)
-    rows = []
-    for setting, (method, mcfg) in cfg.methods().items():
-        params = {
-            "stage": "compress", "variant": model_row["variant"], "run": model_row["run"], "setting": setting,
-            "method": method, "n_params": model_row["n_params"], "tokens": model_row["tokens"],
-            "bits": getattr(mcfg, "bits", None), "group_size": getattr(mcfg, "group_size", None),
-        }
-        with tracked_run(f"compress:{model_row['variant']}:{model_row['run']}:{setting}", uri=parent.uri,
-                         experiment=parent.experiment, parent=parent, params=params | {"config": to_dict(mcfg)},
-                         tags={"scalelab.stage": "compress"}) as run:
-            cm = compress(model, mcfg, calib_tokens=calib)
-            loss = evaluate_loss(cm.model, val, seq_len, cfg.batch_size, max_tokens=cfg.eval_tokens)
-            size = save_compressed(cm, Path(out_dir) / f"{setting}.safetensors")
-            metrics = {"val_loss": loss, "ppl": math.exp(loss), "bytes_on_disk": size,
-                       "base_val_loss": base_loss, "delta_val_loss": loss - base_loss}
-            run.log_metrics(metrics)
-            rows.append({k: v for k, v in params.items() if k != "stage"} | metrics)
-            del cm
-    return rows
+    base_row = {"variant": model_row["variant"], "run": model_row["run"], "n_params": model_row["n_params"],
+                "tokens": model_row["tokens"]}
+    return run_settings(model=model, model_name=model_row["run"], base_row=base_row, settings=cfg.methods(),
+                        val=val, calib=calib, seq_len=seq_len, batch_size=cfg.batch_size,
+                        eval_tokens=cfg.eval_tokens, out_dir=Path(out_dir), parent=parent)
+
+
+def text_tokens(paths: list[Path], tokenizer: Any, max_tokens: int, eos: int | None) -> np.ndarray:
+    """The first ``max_tokens`` tokens of the ``text`` column of ``paths`` (Parquet), documents joined by ``eos``."""
+    import polars as pl
+
+    out: list[int] = []
+    for path in paths:
+        texts = pl.read_parquet(path, columns=["text"])["text"].to_list()
+        for start in range(0, len(texts), 64):
+            for ids in tokenizer.encode_batch(texts[start : start + 64], add_special_tokens=False):
+                out.extend(ids)
+                if eos is not None:
+                    out.append(eos)
+            if len(out) >= max_tokens:
+                return np.asarray(out[:max_tokens], dtype=np.int64)
+    return np.asarray(out, dtype=np.int64)
+
+
+@task(name="compress-pretrained", cache_policy=NO_CACHE)
+def compress_pretrained(name: str, cfg: CompressionConfig, prepared: str, out_dir: str, parent: RunRef) -> list[dict]:
+    """Every pretrained setting on one pretrained model (``smollm2``), on the prepared train/val text."""
+    from tasks.common.models import load_causal_lm
+
+    model, tok, meta = load_causal_lm(name)
+    prepared_dir = Path(prepared)
+    shards = sorted((prepared_dir / "train").glob("*.parquet"))
+    if not shards:
+        raise FileNotFoundError(f"{prepared_dir / 'train'}: no prepared training text; run `scalelab run prepare` first")
+    val = text_tokens([prepared_dir / "val.parquet"], tok, cfg.pretrained_eval_tokens + 1, tok.eos_token_id)
+    calib = text_tokens(shards, tok, cfg.pretrained_calib_tokens, tok.eos_token_id) if cfg.pretrained_calib_tokens else None
+    base_row = {"variant": "pretrained", "run": None, "n_params": meta.get("n_params"), "tokens": None}
+    return run_settings(model=model, model_name=PRETRAINED[name], base_row=base_row, settings=cfg.pretrained_methods(),
+                        val=val, calib=calib, seq_len=cfg.pretrained_seq_len, batch_size=cfg.pretrained_batch_size,
+                        eval_tokens=cfg.pretrained_eval_tokens, out_dir=Path(out_dir), parent=parent)
 
 
 @flow(name="compress", log_prints=True)
@@ -72,7 +185,11 @@ def compress_flow(
             for m in models
         ]
         rows = [r for rs in map_tasks(ctx.pipeline, compress_model, jobs) for r in rs]
+        # One at a time: a pretrained model is ~100x a ladder model, and its own threads use the cores.
+        for name in cfg.pretrained:
+            rows += compress_pretrained.fn(name, cfg, str(ctx.layout.prepared),
+                                           str(out / "pretrained" / PRETRAINED[name]), run.ref())
         write_table(ctx, "compress", rows, run)
-        run.log_metrics({"models": len(models), "evaluations": len(rows)})
-        print(f"compress: {len(rows)} (model, setting) pairs -> {ctx.layout.reports / 'compress.csv'}")
+        run.log_metrics({"models": len(models) + len(cfg.pretrained), "evaluations": len(rows)})
+        print(f"compress: {len(rows)} (model, setting) evaluations -> {ctx.layout.reports / 'compress.csv'}")
         return rows

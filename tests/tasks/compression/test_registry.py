@@ -114,11 +114,25 @@ def test_params_file_loads_under_every_preset(preset):
     assert set(parse_settings(section["settings"], source, lines)) >= set(methods)
 
 
-def test_demo_runs_rtn_at_4_and_8_bits_and_ci_runs_fewer():
-    demo = load_stage_config(CompressionConfig, ROOT, "compression", "demo").methods()
-    ci = load_stage_config(CompressionConfig, ROOT, "compression", "ci").methods()
-    assert sorted(c.bits for _, c in demo.values()) == [4, 8]
-    assert set(ci) < set(demo)
+def test_demo_runs_every_method_ci_a_subset_and_full_adds_smollm2():
+    demo = load_stage_config(CompressionConfig, ROOT, "compression", "demo")
+    ci = load_stage_config(CompressionConfig, ROOT, "compression", "ci")
+    full = load_stage_config(CompressionConfig, ROOT, "compression", "full")
+    assert {m for m, _ in demo.methods().values()} == {"rtn", "gptq", "anybcq", "nubitq"}
+    assert {m for m, _ in ci.methods().values()} == {"rtn", "gptq"} and len(ci.methods()) == 2
+    assert ci.calib_tokens > 0 and demo.calib_tokens > 0  # gptq/nubitq need calibration tokens
+    assert demo.pretrained == ci.pretrained == () and full.pretrained == ("smollm2",)
+    assert {m for m, _ in full.pretrained_methods().values()} == {"rtn", "gptq", "anybcq", "nubitq"}
+
+
+def test_pretrained_config_is_checked():
+    with pytest.raises(ValueError, match="unknown pretrained model"):
+        CompressionConfig(settings={"a": {"method": "rtn"}}, pretrained=("gpt5",))
+    with pytest.raises(ValueError, match="pretrained_settings: names settings that are not defined"):
+        CompressionConfig(settings={"a": {"method": "rtn"}}, pretrained_settings=("b",))
+    cfg = CompressionConfig(settings={"a": {"method": "rtn"}, "b": {"method": "rtn", "bits": 8}}, enabled=("a",),
+                            pretrained_settings=("b",))
+    assert list(cfg.pretrained_methods()) == ["b"] and list(cfg.methods()) == ["a"]
 
 
 def test_section_errors_point_at_the_params_file(tmp_path):
