@@ -44,6 +44,7 @@ from tasks.compression.registry import (
     CompressedModel,
     MethodSpec,
     base_fingerprint,
+    diagnostic,
     register_dequantizer,
     register_method,
     unique_state,
@@ -62,7 +63,7 @@ class AnyBCQConfig(MethodSpec):
     min_bits: int = 2
     max_bits: int = 4
     group_size: int = 128
-    iters: int = 15
+    iters: int = 6
     offset: bool = True
     skip: tuple[str, ...] = ("lm_head", "*.lm_head")
 
@@ -88,18 +89,21 @@ def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tens
 
 def _solve_scales(x: torch.Tensor, m: torch.Tensor, planes: torch.Tensor, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Least-squares ``α`` (rows, groups, k) and ``z`` (rows, groups) for fixed planes (k, rows, groups, gs),
-    rounded to fp16 (as stored)."""
-    basis = planes.permute(1, 2, 3, 0)  # (rows, groups, gs, k)
+    rounded to fp16 (as stored). The normal equations are built from plane inner products, no basis copy."""
+    k = planes.shape[0]
+    pm = planes * m
+    ata = torch.einsum("prgs,qrgs->rgpq", pm, planes)
+    atb = torch.einsum("prgs,rgs->rgp", pm, x)
     if offset:
-        basis = torch.cat([basis, torch.ones_like(basis[..., :1])], dim=-1)
-    bm = basis * m[..., None]
-    ata = bm.transpose(-1, -2) @ bm
-    atb = (bm * x[..., None]).sum(-2)
+        col = pm.sum(-1).permute(1, 2, 0)  # Σ m b_p: (rows, groups, k)
+        n = m.sum(-1)
+        ata = torch.cat([torch.cat([ata, col[..., None]], -1),
+                         torch.cat([col, n[..., None]], -1)[..., None, :]], -2)
+        atb = torch.cat([atb, (m * x).sum(-1)[..., None]], -1)
     ridge = 1e-6 * ata.diagonal(dim1=-2, dim2=-1).mean(-1).clamp(min=1e-12)
     eye = torch.eye(ata.shape[-1])
     sol = torch.linalg.solve(ata + ridge[..., None, None] * eye, atb[..., None])[..., 0]
     sol = sol.half().float()
-    k = planes.shape[0]
     alpha = sol[..., :k]
     z = sol[..., k] if offset else torch.zeros_like(sol[..., 0])
     return alpha, z
@@ -235,7 +239,7 @@ def compress_anybcq(model: nn.Module, cfg: AnyBCQConfig, *, calib_tokens: np.nda
         "precisions": precisions,
         "bits_per_weight": precisions[str(cfg.bits)],
         "artifact_bits_per_weight": artifact_bits / n_quantized if n_quantized else None,
-        "weight_error": {str(k): (v / norm) ** 0.5 if norm else None for k, v in err.items()},
+        "weight_error": {str(k): diagnostic((v / norm) ** 0.5) if norm else None for k, v in err.items()},
     }
     state_k = dequantized_state(tensors, meta)
     with torch.no_grad():

@@ -41,6 +41,7 @@ from tasks.compression.registry import (
     CompressedModel,
     MethodSpec,
     base_fingerprint,
+    diagnostic,
     register_dequantizer,
     register_method,
     unique_state,
@@ -215,7 +216,7 @@ def compress_gptq(model: nn.Module, cfg: GPTQConfig, *, calib_tokens: np.ndarray
             if info["fallback_rtn"]:
                 fallback.append(key)
             if info["proxy_loss"] is not None:
-                proxy[key] = info["proxy_loss"]
+                proxy[key] = diagnostic(info["proxy_loss"])
             with torch.no_grad():
                 mod.weight.copy_(gq.dequantize(q, scale, zero, group_size=cfg.group_size, dtype=w.dtype))
             packed = pack_codes(q, cfg.bits)

@@ -60,6 +60,7 @@ from tasks.compression.registry import (
     CompressedModel,
     MethodSpec,
     base_fingerprint,
+    diagnostic,
     register_dequantizer,
     register_method,
     unique_state,
@@ -552,7 +553,7 @@ def compress_nubitq(model: nn.Module, cfg: NuBitQConfig, *, calib_tokens: np.nda
         "bits_per_weight": stored_bits / n_total if n_total else None,
         "layer_bits": {f"{n}.weight": b for n, b in chosen.items()},
         "outliers": total_outliers,
-        "estimated_loss_increase": estimated,
+        "estimated_loss_increase": diagnostic(estimated),
         "calib_windows": int(windows.shape[0]),
     }
     _load_into(qmodel, tensors, meta)

@@ -348,6 +348,16 @@ def load_compressed(path: str | Path, device: str | torch.device = "cpu") -> tup
     return tensors, meta
 
 
+def diagnostic(value: float | None, digits: int = 6) -> float | None:
+    """A computed float stored in an artifact's metadata, rounded to ``digits`` significant digits.
+
+    Such values (proxy losses, weight errors) differ in their last bits between thread counts; the
+    header is padded to 8 bytes, so a longer ``repr`` would change ``bytes_on_disk`` between two
+    otherwise identical runs.
+    """
+    return None if value is None else float(f"{value:.{digits}g}")
+
+
 def base_fingerprint(model: nn.Module) -> dict[str, Any]:
     """What an artifact records of the model it came from, so loading onto another model is refused.
 
