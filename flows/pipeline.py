@@ -1,4 +1,4 @@
-"""The whole study: prepare -> curate -> train -> compress -> sparse_eval -> fit.
+"""The whole study: prepare -> curate -> train -> compress -> sparse_eval -> evaluate -> fit.
 
 Run: ``scalelab run all --preset ci`` (or ``dvc repro``, which runs the same stages one by one).
 One MLflow parent run per pipeline run; each stage is a child, each model a grandchild.
@@ -10,6 +10,7 @@ from prefect import flow
 
 from flows.compress import compress_flow
 from flows.curate import curate_flow
+from flows.evaluate import evaluate_flow
 from flows.fit import fit_flow
 from flows.prepare import prepare_flow
 from flows.sparse_eval import sparse_eval_flow
@@ -24,6 +25,7 @@ STAGE_FLOWS = {
     "train": train_flow,
     "compress": compress_flow,
     "sparse_eval": sparse_eval_flow,
+    "evaluate": evaluate_flow,
     "fit": fit_flow,
 }
 

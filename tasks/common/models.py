@@ -134,11 +134,17 @@ def _load_compressed(path: Path, base: str | Path | None, options: dict[str, Any
                      ) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
     from tasks.compression.registry import load_compressed, load_compressed_model
 
-    base_dir = Path(base) if base is not None else compressed_base_dir(path)
-    if not (base_dir / "config.json").exists():
-        raise FileNotFoundError(f"{path}: its base model {base_dir} is not a trained model folder "
-                                f"(pass base= the folder the artifact was compressed from)")
-    base_model, tok, meta = _load_ladder(base_dir)
+    # The compress stage writes pretrained models' artifacts to models/compressed/pretrained/<model>/.
+    if str(base) == SMOLLM2 or (base is None and path.resolve().parent.parent.name == "pretrained"
+                                and path.resolve().parent.name.startswith(SMOLLM2)):
+        base_model, tok, meta = _load_smollm2()
+        base_dir = Path(SMOLLM2)
+    else:
+        base_dir = Path(base) if base is not None else compressed_base_dir(path)
+        if not (base_dir / "config.json").exists():
+            raise FileNotFoundError(f"{path}: its base model {base_dir} is not a trained model folder "
+                                    f"(pass base= the folder the artifact was compressed from)")
+        base_model, tok, meta = _load_ladder(base_dir)
     _, cmeta = load_compressed(path)
     model = load_compressed_model(path, base_model, **options)
     cfg = cmeta.get("config") or {}

@@ -33,9 +33,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from flows.cli import STAGES
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-TIMING_COLUMNS = {"tokens_per_s", "wall_s"}
+TIMING_COLUMNS = {"tokens_per_s", "wall_s", "seconds"}
 SEED = 20261204
 KILLS_PER_STAGE = 3
 
@@ -191,7 +193,7 @@ def _kill_points(stage: str, duration: float) -> list[tuple[str, float | str]]:
 
 @pytest.mark.slow
 @needs_corpus
-@pytest.mark.parametrize("stage", ["prepare", "curate", "train", "compress", "sparse_eval", "fit"])
+@pytest.mark.parametrize("stage", STAGES)
 def test_every_stage_killed_anywhere_reruns_to_the_same_reports(stage: str, reference, tmp_path: Path):
     ref_dir, ref_reports, durations = reference
     points = _kill_points(stage, durations.get(stage, 1.0))

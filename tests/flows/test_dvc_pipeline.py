@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.cli import STAGES
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -45,7 +47,7 @@ def test_dvc_repro_skips_when_unchanged_and_reruns_downstream(tmp_path: Path):
     _run(["dvc", "repro"], repo)
     assert (repo / "reports" / "fits.json").exists()
     second = _run(["dvc", "repro"], repo)
-    for stage in ("prepare", "curate", "train", "compress", "sparse_eval", "fit"):
+    for stage in STAGES:
         assert f"Stage '{stage}' didn't change, skipping" in second
 
     fit = repo / "params" / "fit.yaml"
@@ -54,5 +56,5 @@ def test_dvc_repro_skips_when_unchanged_and_reruns_downstream(tmp_path: Path):
     fit.write_text(yaml.safe_dump(fdata))
     third = _run(["dvc", "repro"], repo)
     assert "Running stage 'fit'" in third
-    for stage in ("prepare", "curate", "train", "compress", "sparse_eval"):
+    for stage in STAGES[:STAGES.index("fit")]:
         assert f"Stage '{stage}' didn't change, skipping" in third

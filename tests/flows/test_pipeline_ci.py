@@ -11,14 +11,14 @@ import polars as pl
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ("prepare", "curate", "train", "compress", "sparse_eval", "fit")
+from flows.cli import STAGES  # noqa: E402
 
 
 def test_every_stage_writes_its_report(ci_run):
     workdir, _ = ci_run
     reports = workdir / "reports"
     for name in ("prepare.json", "curation.csv", "train.csv", "train_curves.csv", "val_by_source.csv", "compress.csv",
-                 "sparse_eval.csv", "fits.json", "compute_optimal.csv"):
+                 "sparse_eval.csv", "downstream.csv", "task_laws.json", "fits.json", "compute_optimal.csv"):
         assert (reports / name).exists(), name
     assert list((reports / "plots").glob("*.png")) or list(reports.glob("*.png"))
 
@@ -66,6 +66,29 @@ def test_compression_and_sparsity_cost_loss_and_save_bytes(ci_run):
     sparse = pl.read_csv(workdir / "reports" / "sparse_eval.csv")
     assert sparse.height > 0
     assert ((sparse["achieved_sparsity"] - sparse["sparsity"]).abs() < 0.05).all()
+
+
+def test_downstream_tasks_score_every_model_and_fit_task_laws(ci_run):
+    workdir, _ = ci_run
+    reports = workdir / "reports"
+    train = pl.read_csv(reports / "train.csv")
+    down = pl.read_csv(reports / "downstream.csv", infer_schema_length=None)
+    base = down.filter(pl.col("method") == "none")
+    # every trained model on every task of the ci preset, and compressed variants beside them
+    assert set(zip(base["variant"], base["run"])) == set(zip(train["variant"], train["run"]))
+    assert set(down["task"]) == {"arc_easy", "piqa", "winogrande"}
+    assert down.filter(pl.col("method") != "none").height > 0
+    assert down["acc"].is_between(0, 1).all() and (down["acc_ci_low"] <= down["acc"]).all()
+    assert (down["acc"] <= down["acc_ci_high"]).all() and (down["bpb"] > 0).all()
+    # one 0/1 row per model and item: the correctness matrices the evaluation-subset work needs
+    for task in set(down["task"]):
+        wide = pl.read_parquet(reports / "downstream" / f"correctness_{task}.parquet")
+        assert wide.height == down.filter(pl.col("task") == task)["model"].n_unique()
+        assert set(wide.drop("model").unpivot()["value"].drop_nulls().unique()) <= {0, 1}
+    comps = pl.read_csv(reports / "downstream_comparisons.csv", infer_schema_length=None)
+    assert comps.height > 0 and set(comps["verdict"]) <= {"model better", "base better", "not distinguishable"}
+    laws = json.loads((reports / "task_laws.json").read_text())
+    assert set(laws["tasks"]) == set(down["task"])
 
 
 def test_fits_json_has_a_law_per_variant(ci_run):

@@ -1,0 +1,348 @@
+"""Stage 5, evaluate: OLMo's downstream task suite on every model the pipeline makes, and task laws.
+
+Run: ``scalelab run evaluate [--preset ci]``. Scores, on the first ``limit`` items of each task of
+params/evaluate.yaml: every trained ladder model, the compress stage's artifacts, the sparse settings
+applied in process, and (when enabled) SmolLM2-135M with variants of it compressed or sparsified in
+process. Writes ``reports/downstream.csv`` (one row per model and task, Wilson intervals),
+``reports/downstream_comparisons.csv`` (each variant against its own base, paired over items),
+``reports/downstream/items.parquet`` (per item and choice log-likelihoods),
+``reports/downstream/correctness_<task>.parquet`` (models x items, 0/1), ``reports/task_laws.json``
+and ``reports/task_laws/<task>.png``. One MLflow child run per evaluated model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.evaluate_models import tokens_path, trained_models
+from flows.runtime import Context, map_tasks
+from flows.stage import stage_context, stage_run, write_table
+from tasks.common.config import to_dict
+from tasks.common.io import atomic_dir, write_json, write_parquet
+from tasks.common.tracking import RunRef, tracked_run
+from tasks.evaluation.downstream import (
+    EvaluateConfig, TaskRequests, evaluate_tasks, load_requests, paired_difference, results_rows,
+)
+from tasks.evaluation.task_laws import fit_task_laws, plot_task_law
+
+SUMMARY_KEYS = ("n_items", "acc", "acc_ci_low", "acc_ci_high", "len_norm", "len_norm_ci_low", "len_norm_ci_high",
+                "bpb", "primary_metric", "primary")
+
+
+def score_model(model, tok, info: dict[str, Any], cfg: EvaluateConfig, requests: dict[str, TaskRequests],
+                limit: int, parent: RunRef) -> tuple[list[dict], list[dict]]:
+    """Every task on one model, as one MLflow child run: (summary rows, per-item rows)."""
+    params = {"stage": "evaluate", **{k: info.get(k) for k in ("model", "family", "variant", "run", "method",
+                                                               "setting", "bits", "sparsity", "n_params", "tokens")}}
+    with tracked_run(f"evaluate:{info['model']}", uri=parent.uri, experiment=parent.experiment, parent=parent,
+                     params=params | {"tasks": ",".join(cfg.tasks), "shots": cfg.shots, "limit": limit},
+                     tags={"scalelab.stage": "evaluate"}) as run:
+        t0 = time.perf_counter()
+        runs = evaluate_tasks(model, tok, cfg.tasks, shots=cfg.shots, limit=limit, model_ctx_len=info["model_ctx_len"],
+                              scoring=cfg.scoring, confidence=cfg.confidence, requests=requests,
+                              progress_label=f"{info['model']} ")
+        wall = time.perf_counter() - t0
+        summary, metrics = [], {"eval_wall_s": wall}
+        for r in runs:
+            row = {k: v for k, v in params.items() if k != "stage"} | {"task": r.task, "shots": r.shots}
+            row |= {k: r.summary[k] for k in SUMMARY_KEYS} | {"n_skipped": len(r.skipped), "chance": r.chance,
+                                                             "seconds": r.seconds}
+            summary.append(row)
+            metrics |= {f"acc_{r.task}": r.summary["acc"], f"len_norm_{r.task}": r.summary["len_norm"],
+                        f"bpb_{r.task}": r.summary["bpb"], f"primary_{r.task}": r.summary["primary"]}
+        run.log_metrics(metrics)
+    cols = {k: info.get(k) for k in ("family", "variant", "method", "setting", "bits", "sparsity")}
+    return summary, results_rows(info["model"], runs, **cols)
+
+
+def evaluate_ladder_model(model_row: dict, artifacts: list[dict], with_sparse: bool, cfg: EvaluateConfig,
+                          requests: dict[str, TaskRequests], train_path: str, parent: RunRef
+                          ) -> tuple[list[dict], list[dict]]:
+    """One trained model, its compressed artifacts and its sparse settings."""
+    from tasks.common.models import load_causal_lm
+    from tasks.sparse.registry import sparsify
+    from tasks.training.loop import set_process_threads
+    from tasks.training.tokenizer import load_tokens
+
+    set_process_threads(cfg.num_threads)
+    model, tok, meta = load_causal_lm(model_row["model_dir"])
+    base = {"model": f"{model_row['variant']}/{model_row['run']}", "family": "ladder", "variant": model_row["variant"],
+            "run": model_row["run"], "method": "none", "setting": "none", "bits": None, "sparsity": None,
+            "n_params": model_row["n_params"], "tokens": model_row["tokens"], "model_ctx_len": meta["model_ctx_len"]}
+    summary, items = score_model(model, tok, base, cfg, requests, cfg.limit, parent)
+    for a in artifacts:
+        cmodel, ctok, cmeta = load_causal_lm(a["path"], base=model_row["model_dir"], **a["options"])
+        info = base | {"model": f"{base['model']}:{a['setting']}", "method": a["method"], "setting": a["setting"],
+                       "bits": a.get("bits")}
+        s, i = score_model(cmodel, ctok, info, cfg, requests, cfg.limit, parent)
+        summary += s
+        items += i
+        del cmodel
+    settings = cfg.sparse_settings() if with_sparse else {}
+    calib = None
+    if settings and cfg.calib_tokens and Path(train_path).exists():
+        calib = load_tokens(train_path)[: cfg.calib_tokens]
+    for setting, (method, mcfg) in settings.items():
+        for sparsity in mcfg.sparsities:
+            info = base | {"model": f"{base['model']}:{setting}@{sparsity:g}", "method": method, "setting": setting,
+                           "sparsity": sparsity}
+            with sparsify(model, mcfg, sparsity=sparsity, calib_tokens=calib):
+                s, i = score_model(model, tok, info, cfg, requests, cfg.limit, parent)
+            summary += s
+            items += i
+    return summary, items
+
+
+def evaluate_smollm2(cfg: EvaluateConfig, requests: dict[str, TaskRequests], val_path: str, parent: RunRef,
+                     artifacts: list[dict] = ()) -> tuple[list[dict], list[dict]]:
+    """SmolLM2-135M and its variants: the compress stage's artifacts of it (``compression.pretrained``,
+    the full preset), then those of ``evaluate.smollm2`` made here in process with the same registries
+    (sparse_eval only sees the ladder)."""
+    from tasks.common.models import load_causal_lm
+    from tasks.compression.registry import compress, load_compressed_model, parse_settings
+    from tasks.sparse.registry import SPARSIFIERS, sparsify
+    from tasks.training.loop import set_process_threads
+
+    set_process_threads(cfg.num_threads)
+    sc = cfg.smollm2
+    model, tok, meta = load_causal_lm("smollm2")
+    base = {"model": "smollm2", "family": "smollm2", "variant": "smollm2", "run": "smollm2-135m-instruct",
+            "method": "none", "setting": "none", "bits": None, "sparsity": None, "n_params": meta["n_params"],
+            # SmolLM2-135M's pretraining tokens (2T, its model card); used only to place it, not fitted
+            "tokens": 2.0e12, "model_ctx_len": meta["model_ctx_len"]}
+    summary, items = score_model(model, tok, base, cfg, requests, sc.limit, parent)
+    for a in artifacts:
+        qmodel = load_compressed_model(a["path"], model, **a["options"])
+        info = base | {"model": f"smollm2:{a['setting']}", "method": a["method"], "setting": a["setting"],
+                       "bits": a.get("bits")}
+        s, i = score_model(qmodel, tok, info, cfg, requests, sc.limit, parent)
+        summary += s
+        items += i
+        del qmodel
+    sparse = SPARSIFIERS.parse_settings(sc.sparse, prefix="evaluate.smollm2.sparse") if sc.sparse else {}
+    calib = (_smollm2_calib(tok, val_path, cfg.calib_tokens) if (sparse or sc.compression) and cfg.calib_tokens
+             else None)
+    for setting, (method, mcfg) in (parse_settings(sc.compression, prefix="evaluate.smollm2.compression")
+                                    if sc.compression else {}).items():
+        cm = compress(model, mcfg, calib_tokens=calib)
+        info = base | {"model": f"smollm2:{setting}", "method": method, "setting": setting,
+                       "bits": getattr(mcfg, "bits", None)}
+        s, i = score_model(cm.model, tok, info, cfg, requests, sc.limit, parent)
+        summary += s
+        items += i
+        del cm
+    for setting, (method, mcfg) in sparse.items():
+        for sparsity in mcfg.sparsities:
+            info = base | {"model": f"smollm2:{setting}@{sparsity:g}", "method": method, "setting": setting,
+                           "sparsity": sparsity}
+            with sparsify(model, mcfg, sparsity=sparsity, calib_tokens=calib):
+                s, i = score_model(model, tok, info, cfg, requests, sc.limit, parent)
+            summary += s
+            items += i
+    return summary, items
+
+
+def _smollm2_calib(tok, val_path: str, n_tokens: int):
+    """Calibration tokens for SmolLM2 in its own vocabulary: the prepared validation text, encoded."""
+    import numpy as np
+
+    if not Path(val_path).exists():
+        return None
+    texts = pl.read_parquet(val_path, columns=["text"])["text"].to_list()
+    out: list[int] = []
+    for ids in tok.encode_batch(texts[:512], add_special_tokens=True):
+        out += ids
+        if len(out) >= n_tokens:
+            break
+    return np.asarray(out[:n_tokens], dtype=np.int64)
+
+
+def compressed_artifacts(ctx: Context, variant: str, run: str | None, model: str | None = None) -> list[dict]:
+    """The compress stage's artifacts of one trained run (or, with ``variant="pretrained"``, of the
+    pretrained ``model``): rows of reports/compress.csv whose file exists. A multi-precision row
+    (``<setting>@w<bits>``) reads ``<setting>.safetensors`` at that width."""
+    table = ctx.layout.reports / "compress.csv"
+    if not table.exists():
+        return []
+    frame = pl.read_csv(table, infer_schema_length=None)
+    key = (pl.col("run") == run) if run is not None else (pl.col("model") == model)
+    out = []
+    for r in frame.filter((pl.col("variant") == variant) & key).to_dicts():
+        stem, _, width = r["setting"].partition("@w")
+        folder = ctx.layout.compressed / variant / (run if run is not None else model)
+        path = folder / f"{stem}.safetensors"
+        if path.exists():
+            out.append({"path": str(path), "setting": r["setting"], "method": r["method"],
+                        "bits": r.get("bits"), "options": {"bits": int(width)} if width else {}})
+    return out
+
+
+def top_runs(models: list[dict], k: int) -> set[str]:
+    """``variant/run`` of the ``k`` largest-compute (6 N D) runs of each variant; every run when k = 0."""
+    keys = {f"{m['variant']}/{m['run']}" for m in models}
+    if k == 0:
+        return keys
+    chosen = set()
+    for v in {m["variant"] for m in models}:
+        rows = sorted((m for m in models if m["variant"] == v), key=lambda m: m["n_params"] * m["tokens"], reverse=True)
+        chosen |= {f"{m['variant']}/{m['run']}" for m in rows[:k]}
+    return chosen
+
+
+def comparisons(items: pl.DataFrame, confidence: float) -> list[dict]:
+    """Each compressed/sparse model against its own base on the items both scored, per task: the
+    accuracy difference (model - base) with a paired bootstrap interval and a ``verdict``
+    (``model better`` / ``base better`` only when the interval excludes 0)."""
+    out = []
+    variants = items.filter(pl.col("method") != "none").select("model").unique()["model"].to_list()
+    for name in sorted(variants):
+        base = name.split(":", 1)[0]
+        for (task,), g in items.filter(pl.col("model").is_in([name, base])).group_by("task"):
+            a = g.filter(pl.col("model") == name).select("doc_id", pl.col("correct").alias("a"))
+            b = g.filter(pl.col("model") == base).select("doc_id", pl.col("correct").alias("b"))
+            j = a.join(b, on="doc_id")
+            if j.height == 0:
+                continue
+            d = paired_difference(j["a"].to_list(), j["b"].to_list(), confidence=confidence)
+            d["verdict"] = {"a better": "model better", "b better": "base better"}.get(d["verdict"], d["verdict"])
+            out.append({"model": name, "base": base, "task": task, **d})
+    return out
+
+
+def correctness_matrices(items: pl.DataFrame) -> dict[str, pl.DataFrame]:
+    """Per task, models x items (0/1, null where a model did not score the item), columns ``d<doc_id>``."""
+    out = {}
+    for (task,), g in items.group_by("task"):
+        wide = (g.select("model", pl.format("d{}", pl.col("doc_id")).alias("item"), pl.col("correct").cast(pl.Int8))
+                .pivot(on="item", index="model", values="correct").sort("model"))
+        out[task] = wide
+    return out
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate_flow(
+    root: str = ".",
+    preset: str | None = None,
+    workdir: str | None = None,
+    runner: str | None = None,
+    parent_run_id: str | None = None,
+) -> list[dict]:
+    ctx = stage_context(root, preset, workdir, runner, parent_run_id)
+    cfg = ctx.config(EvaluateConfig, "evaluate")
+    t0 = time.perf_counter()
+    with stage_run(ctx, "evaluate", cfg) as run:
+        models = trained_models(ctx, cfg.models)
+        limit = max(cfg.limit, cfg.smollm2.limit if cfg.smollm2.enabled else 0)
+        requests = {t: load_requests(t, shots=cfg.shots, limit=limit) for t in cfg.tasks}
+        chosen = top_runs(models, cfg.variant_top)
+        jobs = []
+        if cfg.smollm2.enabled:  # first: SmolLM2's long job overlaps with the ladder's short ones
+            from flows.compress import PRETRAINED
+
+            made = compressed_artifacts(ctx, "pretrained", None, PRETRAINED["smollm2"]) if cfg.compressed else []
+            jobs.append(dict(kind="smollm2", job=dict(cfg=cfg, requests=requests, artifacts=made, parent=run.ref(),
+                                                      val_path=str(ctx.layout.prepared / "val.parquet"))))
+        for m in models:
+            key = f"{m['variant']}/{m['run']}"
+            artifacts = compressed_artifacts(ctx, m["variant"], m["run"]) if cfg.compressed and key in chosen else []
+            jobs.append(dict(kind="ladder", job=dict(model_row=m, artifacts=artifacts, with_sparse=key in chosen, cfg=cfg,
+                                                     requests=requests, train_path=str(tokens_path(ctx, m)),
+                                                     parent=run.ref())))
+        results = map_tasks(ctx.pipeline, evaluate_job, jobs)
+        summary = [r for s, _ in results for r in s]
+        items = pl.DataFrame([r for _, i in results for r in i], infer_schema_length=None)
+        frame = write_table(ctx, "downstream", summary, run)
+        comps = comparisons(items, cfg.confidence)
+        write_table(ctx, "downstream_comparisons", comps, run)
+        with atomic_dir(ctx.layout.reports / "downstream") as out:
+            write_parquet(out / "items.parquet", items)
+            for t, wide in correctness_matrices(items).items():
+                write_parquet(out / f"correctness_{t}.parquet", wide)
+        laws = fit_task_laws(summary, cfg.task_laws)
+        with atomic_dir(ctx.layout.reports / "task_laws") as plots:
+            for t, entry in laws["tasks"].items():
+                plot_task_law(t, [r for r in summary if r["task"] == t], entry, plots / f"{t}.png", cfg.confidence)
+        for entry in laws["tasks"].values():
+            entry.pop("_samples", None)
+        path = write_json(ctx.layout.reports / "task_laws.json", _json_safe(laws))
+        run.log_artifact(path, "reports")
+        wall = time.perf_counter() - t0
+        n_models = len({r["model"] for r in summary})
+        verdicts = [c["verdict"] for c in comps]
+        run.log_metrics({"models": n_models, "evaluations": len(summary), "items_scored": items.height,
+                         "wall_s": wall, "not_distinguishable": verdicts.count("not distinguishable")})
+        print(f"evaluate: {n_models} models x {len(cfg.tasks)} tasks, {items.height} items in {wall:.1f} s -> "
+              f"{ctx.layout.reports / 'downstream.csv'}")
+        return frame.to_dicts()
+
+
+@task(name="evaluate-models", cache_policy=NO_CACHE)
+def evaluate_job(kind: str, job: dict) -> tuple[list[dict], list[dict]]:
+    """One unit of the stage's work: ``ladder`` (a trained model and its variants) or ``smollm2``."""
+    fn = {"ladder": evaluate_ladder_model, "smollm2": evaluate_smollm2}[kind]
+    return fn(**job)
+
+
+def _json_safe(x: Any) -> Any:
+    import numpy as np
+
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _json_safe(x.tolist())
+    if isinstance(x, (np.floating, float)):
+        return float(x) if math.isfinite(float(x)) else None
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    return x if isinstance(x, (str, int, bool)) or x is None else to_dict(x) if hasattr(x, "__dataclass_fields__") else str(x)
+
+
+def eval_tasks_command(args: Any, root: Path) -> int:
+    """``scalelab eval tasks --model M --tasks a,b [--shots 0|5] [--limit N] --out DIR``.
+
+    Writes ``DIR/items.parquet`` (per item: each choice's log-likelihood, predicted, gold, correct,
+    gold bpb) and ``DIR/summary.csv`` (per task: acc and len_norm with Wilson intervals, bpb).
+    Scoring settings come from params/evaluate.yaml (``scoring``, ``confidence``, ``num_threads``).
+    """
+    from tasks.common.io import write_csv
+    from tasks.common.models import load_causal_lm
+    from tasks.common.params import default_preset, load_stage_config
+    from tasks.evaluation.downstream import check_task_names
+    from tasks.training.loop import set_process_threads
+
+    tasks = check_task_names([t.strip() for t in args.tasks.split(",") if t.strip()])
+    if not tasks:
+        raise ValueError("--tasks: name at least one task")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit: must be >= 1 (omit it for every item), got {args.limit}")
+    cfg = load_stage_config(EvaluateConfig, root, "evaluate", args.preset or default_preset(root))
+    set_process_threads(cfg.num_threads)
+    model, tok, meta = load_causal_lm(args.model, base=args.base)
+    t0 = time.perf_counter()
+    runs = evaluate_tasks(model, tok, tasks, shots=args.shots, limit=args.limit, model_ctx_len=meta["model_ctx_len"],
+                          scoring=cfg.scoring, confidence=cfg.confidence)
+    wall = time.perf_counter() - t0
+    name = meta.get("name", str(args.model))
+    out = Path(args.out)
+    write_parquet(out / "items.parquet", pl.DataFrame(results_rows(name, runs, method=meta.get("method")),
+                                                      infer_schema_length=None))
+    rows = [{"model": name, "task": r.task, "shots": r.shots, **{k: r.summary[k] for k in SUMMARY_KEYS},
+             "n_skipped": len(r.skipped), "chance": r.chance, "seconds": r.seconds} for r in runs]
+    write_csv(out / "summary.csv", pl.DataFrame(rows))
+    n = sum(r.summary["n_items"] for r in runs)
+    for r in rows:
+        print(f"{r['task']:>14}  n={r['n_items']:<5} acc={r['acc']:.3f} [{r['acc_ci_low']:.3f}, {r['acc_ci_high']:.3f}]"
+              f"  len_norm={r['len_norm']:.3f}  bpb={r['bpb']:.3f}")
+    print(f"{n} items in {wall:.1f} s ({n / wall:.2f} items/s) -> {out}")
+    return 0
