@@ -68,6 +68,9 @@ class SerialExecutor:
 def read_inputs(input_paths: Sequence[str | Path]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Documents and quarantine from JSONL (``.jsonl``/``.json``/``.ndjson``) and Parquet files or globs."""
     require(len(input_paths) > 0, "input_paths", "give at least one file or glob")
+    for p in input_paths:
+        if Path(p).is_dir():
+            raise ValueError(f"{p}: is a directory; give its files or a glob such as {Path(p) / '*.jsonl'}")
     jsonl = [p for p in input_paths if str(p).endswith((".jsonl", ".json", ".ndjson"))]
     parquet = [p for p in input_paths if str(p).endswith(".parquet")]
     other = [p for p in input_paths if p not in jsonl and p not in parquet]
@@ -78,7 +81,10 @@ def read_inputs(input_paths: Sequence[str | Path]) -> tuple[pl.DataFrame, pl.Dat
             d, q = read_source(cls(paths, name=cls.__name__.removesuffix("Source").lower()))
             docs.append(d)
             quarantine.append(q)
-    return pl.concat(docs), pl.concat(quarantine)
+    docs_all, quarantine_all = pl.concat(docs), pl.concat(quarantine)
+    if docs_all.height == 0 and quarantine_all.height == 0:
+        raise ValueError(f"{', '.join(map(str, input_paths))}: no documents (every input is empty)")
+    return docs_all, quarantine_all
 
 
 def _fingerprint(input_paths: Sequence[str | Path], recipe: Recipe, shard_docs: int) -> str:

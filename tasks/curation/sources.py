@@ -142,7 +142,7 @@ def expand_paths(patterns: Sequence[str | Path]) -> list[tuple[Path, str]]:
     ``label`` is the path relative to the glob's fixed prefix (for a plain file,
     its name): it makes generated ids stable across machines. A plain path that
     does not exist, or a glob that matches nothing, raises ``FileNotFoundError``
-    naming it.
+    naming it; a directory or an empty file given by name, ``ValueError``.
     """
     out: list[tuple[Path, str]] = []
     for pattern in patterns:
@@ -156,8 +156,12 @@ def expand_paths(patterns: Sequence[str | Path]) -> list[tuple[Path, str]]:
             out.extend((m, m.relative_to(fixed).as_posix() if m.is_relative_to(fixed) else m.name) for m in matches)
         else:
             p = Path(pattern)
+            if p.is_dir():
+                raise ValueError(f"{p}: is a directory; give its files or a glob such as {p / '*.jsonl'}")
             if not p.is_file():
                 raise FileNotFoundError(f"input file not found: {p}")
+            if p.stat().st_size == 0:
+                raise ValueError(f"{p}: empty file (no documents)")
             out.append((p, p.name))
     return out
 

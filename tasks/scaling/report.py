@@ -34,58 +34,86 @@ CSV_COLUMNS = ("variant", "C", "N_opt", "D_opt", "tokens_per_param", "loss_pred"
 
 
 def read_points(path: str | Path) -> pl.DataFrame:
-    """Read a CSV of runs with columns N, D, loss (and optionally variant)."""
+    """Read and check a CSV of runs with columns N, D, loss (optionally variant, C, compute_budget).
+
+    Every problem is a ``ValueError`` naming the file and the CSV line (the header is line 1):
+    a missing column, a value that is not a number, NaN, zero or negative, duplicated rows, a
+    variant with a single model size or a single token count.
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: points file not found")
-    frame = pl.read_csv(path)
-    missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
-    if missing:
-        raise ValueError(f"{path}: missing column {missing[0]!r} (needs {', '.join(REQUIRED_COLUMNS)}; "
-                         f"has {', '.join(frame.columns)})")
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory, not a points CSV")
+    try:
+        frame = pl.read_csv(path, infer_schema_length=None)
+    except (pl.exceptions.PolarsError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable CSV ({exc})") from None
+    validate_points(frame, source=str(path), first_line=2, single_size=False)
     return frame
 
 
-def validate_points(points: pl.DataFrame) -> pl.DataFrame:
+def validate_points(points: pl.DataFrame, *, source: str = "points", first_line: int | None = None,
+                    single_size: bool = True) -> pl.DataFrame:
     """Check columns and values; return the frame with a ``row`` index and a ``variant`` column.
 
-    Raises ``ValueError`` naming the missing column, or the first bad row (0-based) and value.
+    Raises ``ValueError`` starting with ``source`` and naming the missing column or the first bad
+    row: ``line k`` when ``first_line`` (the line of row 0) is given, else ``row i`` (0-based).
+    Refused: non-numeric, non-finite or non-positive N, D, loss (C and compute_budget may be
+    empty); rows repeated exactly; with ``single_size=False``, a variant with one model size or one
+    token count (its law's N or D term cannot be told apart from E). :func:`fit_points` accepts such
+    a variant and reports its law as not identified; a points file given to ``scalelab fit`` is
+    refused.
     """
+    def at(i: int) -> str:
+        return f"line {i + first_line}" if first_line is not None else f"row {i}"
+
     missing = [c for c in REQUIRED_COLUMNS if c not in points.columns]
     if missing:
-        raise ValueError(f"points: missing column {missing[0]!r} (needs {', '.join(REQUIRED_COLUMNS)}; "
+        raise ValueError(f"{source}: missing column {missing[0]!r} (needs {', '.join(REQUIRED_COLUMNS)}; "
                          f"has {', '.join(points.columns) or 'none'})")
     if points.height == 0:
-        raise ValueError("points: no rows")
-    for col in REQUIRED_COLUMNS:
-        if not points.schema[col].is_numeric():
-            raise ValueError(f"points: column {col!r} must be numeric, got {points.schema[col]}")
-        values = points[col].cast(pl.Float64).to_numpy()
-        bad = np.flatnonzero(~np.isfinite(values) | (values <= 0))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"points: row {i} has {col}={values[i]!r}; {col} must be positive and finite "
-                             f"({bad.size} bad row(s) in {col})")
-    for col in OPTIONAL_COLUMNS:
-        if col not in points.columns:
-            continue
-        if not (points.schema[col].is_numeric() or points.schema[col] == pl.Null):
-            raise ValueError(f"points: column {col!r} must be numeric, got {points.schema[col]}")
-        values = points[col].cast(pl.Float64).to_numpy()
-        given = ~np.isnan(values)
+        raise ValueError(f"{source}: no rows")
+    numeric = {}
+    for col in (*REQUIRED_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in points.columns)):
+        required = col in REQUIRED_COLUMNS
+        raw = points[col]
+        values = raw.cast(pl.Float64, strict=False).to_numpy().astype(float)
+        unparsed = np.flatnonzero(raw.is_not_null().to_numpy() & np.isnan(values)
+                                  & ~(raw.cast(pl.String).str.to_lowercase().is_in(["nan"]).to_numpy()))
+        if unparsed.size:
+            i = int(unparsed[0])
+            raise ValueError(f"{source}: {at(i)}: {col}={raw[i]!r} is not a number")
+        given = ~(raw.is_null().to_numpy()) if not required else np.ones(len(values), bool)
         bad = np.flatnonzero(given & (~np.isfinite(values) | (values <= 0)))
         if bad.size:
             i = int(bad[0])
-            raise ValueError(f"points: row {i} has {col}={values[i]!r}; {col} must be positive and finite or empty")
+            shown = "empty" if raw[i] is None else f"{col}={float(values[i]):g}"
+            raise ValueError(f"{source}: {at(i)}: {shown}; {col} must be positive and finite"
+                             f"{'' if required else ' or empty'} ({bad.size} bad row(s) in {col})")
+        numeric[col] = values
     frame = points.with_row_index("row")
     if "variant" not in frame.columns:
         frame = frame.with_columns(pl.lit("all").alias("variant"))
     elif frame["variant"].null_count():
         i = int(frame.filter(pl.col("variant").is_null())["row"][0])
-        raise ValueError(f"points: row {i} has no variant")
-    return frame.with_columns(pl.col("variant").cast(pl.String),
-                              *(pl.col(c).cast(pl.Float64) for c in REQUIRED_COLUMNS),
-                              *(pl.col(c).cast(pl.Float64) for c in OPTIONAL_COLUMNS if c in frame.columns))
+        raise ValueError(f"{source}: {at(i)}: no variant")
+    frame = frame.with_columns(pl.col("variant").cast(pl.String),
+                               *(pl.Series(c, v) for c, v in numeric.items()))
+    key = [c for c in points.columns]
+    dup = (frame.group_by(key, maintain_order=True).agg(pl.col("row")).filter(pl.col("row").list.len() > 1))
+    if dup.height:
+        rows = dup["row"][0].to_list()
+        raise ValueError(f"{source}: {at(rows[0])} is repeated at {', '.join(at(r) for r in rows[1:])} "
+                         f"({dup.height} duplicated row(s)); a repeated run would count twice in the fit")
+    for (name,), sub in ([] if single_size else frame.group_by("variant", maintain_order=True)):
+        for col, what in (("N", "model size"), ("D", "token count")):
+            if sub[col].n_unique() < 2:
+                lines = ", ".join(at(int(r)) for r in sub["row"].head(3))
+                raise ValueError(f"{source}: variant {name!r} has a single {what} ({col}={sub[col][0]:g} at "
+                                 f"{lines}{', ...' if sub.height > 3 else ''}); a law in N and D needs at "
+                                 f"least two")
+    return frame
 
 
 def _finite(x: Any) -> Any:

@@ -33,7 +33,7 @@ def test_missing_column_is_named(tmp_path):
 def test_bad_row_is_named(ladder, col, value):
     points = _points(ladder)
     bad = points.with_columns(pl.when(pl.int_range(pl.len()) == 7).then(value).otherwise(pl.col(col)).alias(col))
-    with pytest.raises(ValueError, match=rf"row 7 has {col}="):
+    with pytest.raises(ValueError, match=rf"row 7: {col}="):
         fit_points(bad, CFG)
 
 
