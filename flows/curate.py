@@ -129,9 +129,10 @@ def curate_any(
     """
     from tasks.common.io import clean_temporaries
     from tasks.common.lock import workdir_lock
-    from tasks.curation.sharded import curate_corpus
+    from tasks.curation.sharded import check_inputs, curate_corpus
 
     cfg, chosen = load_recipe(recipe, recipe_file, root, preset)
+    check_inputs(inputs)  # before the lock creates `out`: refused input leaves nothing behind
     executor = None
     if runner == "ray":
         from flows.ray_executor import RayExecutor

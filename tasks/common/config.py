@@ -28,8 +28,12 @@ class ConfigError(ValueError):
 
 
 def where(source: str | None, key: str, lines: Mapping[str, int] | None = None) -> str:
-    """Format ``file:line: key`` for error messages (line when known)."""
-    line = (lines or {}).get(key)
+    """Format ``file:line: key`` for error messages: the key's line, else its nearest parent's."""
+    lines = lines or {}
+    line, parent = None, key
+    while parent and line is None:
+        line = lines.get(parent)
+        parent = parent.rpartition(".")[0]
     loc = source or "<config>"
     if line is not None:
         loc = f"{loc}:{line}"
@@ -63,10 +67,18 @@ def load_yaml(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
 
     def walk(n: yaml.Node, prefix: str) -> None:
         if isinstance(n, yaml.MappingNode):
+            seen: dict[str, int] = {}
             for k, v in n.value:
                 key = f"{prefix}.{k.value}" if prefix else str(k.value)
-                lines[key] = k.start_mark.line + 1
+                line = k.start_mark.line + 1
+                if key in seen:  # YAML would keep the last one silently
+                    raise ConfigError(f"{path}:{line}: {key}: repeated (first on line {seen[key]}); "
+                                      f"keep one of them")
+                seen[key] = lines[key] = line
                 walk(v, key)
+        elif isinstance(n, yaml.SequenceNode):
+            for v in n.value:
+                walk(v, prefix)
 
     if node is not None:
         walk(node, "")
@@ -204,6 +216,11 @@ def from_mapping(
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:
+        # ``require`` messages start with the field ("settings.x.bits: ..."): point at its line.
+        head, sep, rest = str(exc).partition(": ")
+        if sep and head.split(".")[0] in fields and " " not in head:
+            key = f"{prefix}.{head}" if prefix else head
+            raise ConfigError(f"{where(source, key, lines)}: {rest}") from None
         raise ConfigError(f"{where(source, prefix, lines)}: {exc}") from None
 
 

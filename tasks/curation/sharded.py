@@ -42,7 +42,7 @@ from tasks.curation.recipes import (
     finalize,
     whitespace_words,
 )
-from tasks.curation.sources import JsonlSource, ParquetSource, read_source
+from tasks.curation.sources import JsonlSource, ParquetSource, expand_paths, read_source
 
 MARKER = "DONE"
 
@@ -65,8 +65,13 @@ class SerialExecutor:
         return fut
 
 
-def read_inputs(input_paths: Sequence[str | Path]) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Documents and quarantine from JSONL (``.jsonl``/``.json``/``.ndjson``) and Parquet files or globs."""
+def check_inputs(input_paths: Sequence[str | Path]) -> tuple[list, list]:
+    """Refuse unusable inputs before anything is written; return ``(jsonl, parquet)`` paths.
+
+    Cheap: resolves every file and glob and reads only Parquet schemas. ``ValueError`` or
+    ``FileNotFoundError`` names the path: a directory, a missing or empty file, an unknown
+    extension, a Parquet file without a string ``text`` column.
+    """
     require(len(input_paths) > 0, "input_paths", "give at least one file or glob")
     for p in input_paths:
         if Path(p).is_dir():
@@ -75,6 +80,23 @@ def read_inputs(input_paths: Sequence[str | Path]) -> tuple[pl.DataFrame, pl.Dat
     parquet = [p for p in input_paths if str(p).endswith(".parquet")]
     other = [p for p in input_paths if p not in jsonl and p not in parquet]
     require(not other, "input_paths", f"{other[0]}: unknown format; expected .jsonl or .parquet" if other else "")
+    expand_paths(jsonl)
+    for path, _ in expand_paths(parquet):
+        try:
+            schema = pl.read_parquet_schema(path)
+        except (pl.exceptions.PolarsError, OSError) as exc:
+            raise ValueError(f"{path}: not a readable Parquet file ({exc})") from None
+        if "text" not in schema:
+            raise ValueError(f"{path}: no 'text' column; columns are {list(schema)}")
+        if schema["text"] not in (pl.Utf8, pl.String):
+            raise ValueError(f"{path}: column 'text' is {schema['text']}, not a string")
+    return jsonl, parquet
+
+
+def read_inputs(input_paths: Sequence[str | Path]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Documents and quarantine from JSONL (``.jsonl``/``.json``/``.ndjson``) and Parquet files or globs
+    (checked first by :func:`check_inputs`)."""
+    jsonl, parquet = check_inputs(input_paths)
     docs, quarantine = [], []
     for paths, cls in ((jsonl, JsonlSource), (parquet, ParquetSource)):
         if paths:

@@ -80,7 +80,7 @@ def validate_points(points: pl.DataFrame, *, source: str = "points", first_line:
         raw = points[col]
         values = raw.cast(pl.Float64, strict=False).to_numpy().astype(float)
         unparsed = np.flatnonzero(raw.is_not_null().to_numpy() & np.isnan(values)
-                                  & ~(raw.cast(pl.String).str.to_lowercase().is_in(["nan"]).to_numpy()))
+                                  & ~(raw.cast(pl.String).str.to_lowercase().is_in(["nan"]).fill_null(False).to_numpy()))
         if unparsed.size:
             i = int(unparsed[0])
             raise ValueError(f"{source}: {at(i)}: {col}={raw[i]!r} is not a number")
@@ -88,7 +88,7 @@ def validate_points(points: pl.DataFrame, *, source: str = "points", first_line:
         bad = np.flatnonzero(given & (~np.isfinite(values) | (values <= 0)))
         if bad.size:
             i = int(bad[0])
-            shown = "empty" if raw[i] is None else f"{col}={float(values[i]):g}"
+            shown = f"{col} is empty" if raw[i] is None else f"{col}={float(values[i]):g}"
             raise ValueError(f"{source}: {at(i)}: {shown}; {col} must be positive and finite"
                              f"{'' if required else ' or empty'} ({bad.size} bad row(s) in {col})")
         numeric[col] = values

@@ -52,7 +52,7 @@ def test_scientific_notation_string_is_a_float():
         ({"bogus": 1}, r"f\.yaml: s\.bogus: unknown key 'bogus' for Outer"),
         ({"mode": "c"}, r"s\.mode: expected one of \['a', 'b'\]"),
         ({"sizes": [1, "two"]}, r"s\.sizes\[1\]: expected int"),
-        ({"inner": {"bits": 1}}, r"f\.yaml: s\.inner: bits: must be in 2\.\.8"),
+        ({"inner": {"bits": 1}}, r"f\.yaml: s\.inner\.bits: must be in 2\.\.8"),
         ({"inner": {"nope": 1}}, r"s\.inner\.nope: unknown key"),
         ({"named": {"q": {"bits": "x"}}}, r"s\.named\.q\.bits: expected int"),
         ({"limit": True}, r"s\.limit: expected int"),
