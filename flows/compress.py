@@ -37,7 +37,7 @@ from tasks.compression.registry import (
     save_compressed,
 )
 from tasks.evaluation.loss import evaluate_loss
-from tasks.training.loop import load_model
+from tasks.training.loop import load_model, set_process_threads
 from tasks.training.tokenizer import load_tokens
 
 # Pretrained models the stage can include, by params name -> the name its rows carry.
@@ -121,6 +121,7 @@ def run_settings(
 @task(name="compress-model", cache_policy=NO_CACHE)
 def compress_model(model_row: dict, cfg: CompressionConfig, out_dir: str, parent: RunRef) -> list[dict]:
     """Every enabled setting on one trained model."""
+    set_process_threads(cfg.num_threads)
     model, meta = load_model(model_row["model_dir"])
     seq_len = cfg.seq_len or meta["seq_len"]
     val = load_tokens(model_row["val_path"])
@@ -154,6 +155,7 @@ def compress_pretrained(name: str, cfg: CompressionConfig, prepared: str, out_di
     """Every pretrained setting on one pretrained model (``smollm2``), on the prepared train/val text."""
     from tasks.common.models import load_causal_lm
 
+    set_process_threads(cfg.num_threads)
     model, tok, meta = load_causal_lm(name)
     prepared_dir = Path(prepared)
     shards = sorted((prepared_dir / "train").glob("*.parquet"))

@@ -19,12 +19,13 @@ from tasks.common.config import to_dict
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.evaluation.loss import evaluate_loss
 from tasks.sparse.registry import SparseEvalConfig, sparsify
-from tasks.training.loop import load_model
+from tasks.training.loop import load_model, set_process_threads
 from tasks.training.tokenizer import load_tokens
 
 
 @task(name="sparse-eval-model", cache_policy=NO_CACHE)
 def sparse_eval_model(model_row: dict, cfg: SparseEvalConfig, parent: RunRef) -> list[dict]:
+    set_process_threads(cfg.num_threads)
     model, meta = load_model(model_row["model_dir"])
     seq_len = cfg.seq_len or meta["seq_len"]
     val = load_tokens(model_row["val_path"])

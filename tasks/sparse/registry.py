@@ -164,7 +164,8 @@ class SparseEvalConfig:
     (empty = all). ``models``: trained runs to evaluate by name (empty = all). ``eval_tokens``:
     validation tokens scored per (setting, sparsity); ``calib_tokens``: training tokens given to
     methods that calibrate (TEAL's threshold mode); ``seq_len`` (None = the model's training
-    length) and ``batch_size`` of the evaluation windows.
+    length) and ``batch_size`` of the evaluation windows. ``num_threads``: torch threads per
+    process, set by the stage so its numbers do not depend on what ran before it.
     """
 
     settings: dict[str, dict[str, Any]]
@@ -174,6 +175,7 @@ class SparseEvalConfig:
     calib_tokens: int = 16384
     seq_len: int | None = None
     batch_size: int = 16
+    num_threads: int = 1
 
     def __post_init__(self) -> None:
         require(len(self.settings) > 0, "settings", "needs at least one setting")
@@ -182,6 +184,7 @@ class SparseEvalConfig:
         require(self.calib_tokens >= 0, "calib_tokens", f"must be >= 0, got {self.calib_tokens}")
         require(self.seq_len is None or self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0 = torch's default), got {self.num_threads}")
         require(len(set(self.models)) == len(self.models), "models", f"has duplicates: {list(self.models)}")
 
     def methods(self) -> dict[str, tuple[str, SparseMethodSpec]]:
