@@ -45,6 +45,7 @@ fp16 (nnz,), ``<name>.outlier_cols`` int16/int32 (nnz,), ``<name>.outlier_rowptr
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -77,7 +78,11 @@ class NuBitQConfig(MethodSpec):
     ``activation_weighted``: Lloyd weighted by ``E[x_j^2]`` (False: plain k-means); ``propagation``:
     include the output-gradient factor ``f_i`` in scores and bit allocation; ``outlier_frac``,
     ``outlier_score``, ``lsq_correction``, ``block_correction``: the OCP parts; ``seq_len``,
-    ``max_windows``, ``batch_size``: calibration windows cut from ``calib_tokens``."""
+    ``max_windows``, ``batch_size``: calibration windows cut from ``calib_tokens``.
+    ``infeasible_budget``: when even the narrowest widths cost more than ``budget_bits`` (small
+    rows pay a large share for their row scale or codebook), ``narrowest`` stores every layer at the
+    narrowest width and records ``budget_met: false`` with the measured ``bits_per_weight``;
+    ``error`` refuses."""
 
     method: Literal["nubitq"] = "nubitq"
     bits: int = 3
@@ -96,6 +101,7 @@ class NuBitQConfig(MethodSpec):
     max_windows: int = 0
     batch_size: int = 8
     skip: tuple[str, ...] = ("lm_head", "*.lm_head")
+    infeasible_budget: Literal["narrowest", "error"] = "narrowest"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -487,10 +493,19 @@ def compress_nubitq(model: nn.Module, cfg: NuBitQConfig, *, calib_tokens: np.nda
             fits[name][b] = code
             errors[name][b] = 0.5 * float((imp * (w - deq) ** 2).sum())
             costs[name][b] = layer_bits(*w.shape, b, cfg.codebook, cfg.group_size)
+    budget_met = True
     if cfg.budget_bits is not None:
         # Outliers are paid for first: 32 bits each, plus row pointers for every layer (an upper bound).
         outlier_cost = n_outliers * 32 + (sum(32 * (w.shape[0] + 1) for w in weights.values()) if n_outliers else 0)
-        chosen = allocate_bits(errors, costs, cfg.budget_bits * n_total - outlier_cost)
+        budget = cfg.budget_bits * n_total - outlier_cost
+        narrowest = {name: min(c) for name, c in costs.items()}
+        budget_met = sum(costs[n][b] for n, b in narrowest.items()) <= budget
+        if budget_met or cfg.infeasible_budget == "error":
+            chosen = allocate_bits(errors, costs, budget)
+        else:
+            warnings.warn(f"nubitq: budget_bits={cfg.budget_bits} is below what the narrowest widths store on "
+                          f"this model; every layer at {min(choices)} bits (budget_met: false)", stacklevel=2)
+            chosen = narrowest
     else:
         chosen = {name: cfg.bits for name in weights}
     # OCP linear level: global top outliers by score, then codebooks refitted without them.
@@ -553,6 +568,7 @@ def compress_nubitq(model: nn.Module, cfg: NuBitQConfig, *, calib_tokens: np.nda
         "bits_per_weight": stored_bits / n_total if n_total else None,
         "layer_bits": {f"{n}.weight": b for n, b in chosen.items()},
         "outliers": total_outliers,
+        "budget_met": budget_met,
         "estimated_loss_increase": diagnostic(estimated),
         "calib_windows": int(windows.shape[0]),
     }

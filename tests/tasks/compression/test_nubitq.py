@@ -120,6 +120,21 @@ def test_budget_is_met_and_propagation_helps_the_allocation(setup):
     assert loss(with_f.model) < loss(without.model)  # measured 5.263 vs 5.368
 
 
+def test_a_budget_below_the_narrowest_widths_stores_them_and_says_so(setup):
+    """Row codebooks on 64-wide rows cost 1 bit per weight on top of the codes: 2.1 bpw cannot be met."""
+    model, calib, _, _ = setup
+    cfg = NuBitQConfig(budget_bits=2.1, codebook="row", seq_len=64)
+    with pytest.warns(UserWarning, match="budget_met: false"):
+        cm = compress_nubitq(model, cfg, calib_tokens=calib)
+    assert cm.meta["budget_met"] is False and cm.meta["bits_per_weight"] > 2.1
+    assert set(cm.meta["layer_bits"].values()) == {2}
+    with pytest.raises(ValueError, match="budget_bits too small"):
+        compress_nubitq(model, NuBitQConfig(budget_bits=2.1, codebook="row", seq_len=64, infeasible_budget="error"),
+                        calib_tokens=calib)
+    assert compress_nubitq(model, NuBitQConfig(budget_bits=3.0, codebook="tensor", seq_len=64),
+                           calib_tokens=calib).meta["budget_met"] is True
+
+
 def test_outliers_stay_exact_help_and_round_trip(setup, tmp_path):
     model, calib, held_out, loss = setup
     base = compress_nubitq(model, NuBitQConfig(bits=2, codebook="tensor", seq_len=64), calib_tokens=calib)
