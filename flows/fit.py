@@ -58,6 +58,8 @@ def gather_points(reports: Path, cfg: FitConfig = FitConfig()) -> GatheredPoints
     ``<variant>+<setting>`` (e.g. ``raw+rtn_w4_g32``, ``raw+teal@0.5``) so each gets its own law.
     Those evaluations are joined to train.csv on (variant, run) for the trained model's N, C,
     epochs, divergence and compute budget (their own n_params / tokens where no run matches).
+    A ``series`` column says where each row came from (``trained``, ``compress``, ``sparse_eval``):
+    the derived ones are fitted with ``fit.derived_n_bootstrap`` replicates.
     Runs that diverged, ran over ``cfg.max_epochs`` epochs or have no loss are left out and
     listed with their reason (:func:`tasks.scaling.report.exclude_runs`).
     """
@@ -65,7 +67,7 @@ def gather_points(reports: Path, cfg: FitConfig = FitConfig()) -> GatheredPoints
     if not train.exists():
         raise FileNotFoundError(f"{train}: no training results to fit; run `scalelab run train` first")
     runs, n_column = _train_runs(pl.read_csv(train), cfg.n_definition)
-    frames = [runs]
+    frames = [runs.with_columns(pl.lit("trained").alias("series"))]
     for name in ("compress", "sparse_eval"):
         path = reports / f"{name}.csv"
         if not (path.exists() and path.stat().st_size > 0):
@@ -85,10 +87,11 @@ def gather_points(reports: Path, cfg: FitConfig = FitConfig()) -> GatheredPoints
         frames.append(own.with_columns(
             (pl.col("variant") + "+" + pl.col("setting")).alias("variant"),
             pl.coalesce("N", "N_own").alias("N"), pl.coalesce("D", "D_own").alias("D"),
+            pl.lit(name).alias("series"),
         ).drop("setting", "N_own", "D_own"))
     points = pl.concat(frames, how="diagonal_relaxed")
     kept, excluded = exclude_runs(points, cfg.max_epochs)
-    keep_cols = ["variant", "N", "D", "loss", *(c for c in ("run", "C", "compute_budget") if c in kept.columns)]
+    keep_cols = ["variant", "N", "D", "loss", *(c for c in ("run", "C", "compute_budget", "series") if c in kept.columns)]
     return GatheredPoints(points=kept.select(keep_cols), excluded_runs=excluded, n_column=n_column)
 
 

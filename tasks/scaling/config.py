@@ -25,6 +25,10 @@ class FitConfig:
     # Bootstrap over runs (resampling with replacement) for every interval; the optimiser's
     # inverse Hessian is not trusted for intervals (Epoch's note).
     n_bootstrap: int = 1000
+    # Replicates for the laws of compressed and sparse series (``<variant>+<setting>``; also caps
+    # their backtest's, and skips their Huber-delta sensitivity refits); None = n_bootstrap. Their many
+    # laws dominate a pipeline's fit time.
+    derived_n_bootstrap: int | None = None
     bootstrap_seed: int = 0
     # Worker processes for the bootstrap; 1 runs in this process.
     n_jobs: int = 2
@@ -117,6 +121,8 @@ class FitConfig:
     def __post_init__(self) -> None:
         require(self.huber_delta > 0, "huber_delta", f"must be > 0, got {self.huber_delta}")
         require(self.n_bootstrap >= 0, "n_bootstrap", f"must be >= 0, got {self.n_bootstrap}")
+        require(self.derived_n_bootstrap is None or self.derived_n_bootstrap >= 0, "derived_n_bootstrap",
+                f"must be >= 0 or null, got {self.derived_n_bootstrap}")
         require(self.n_jobs >= 1, "n_jobs", f"must be >= 1, got {self.n_jobs}")
         require(0 < self.confidence < 1, "confidence", f"must be in (0, 1), got {self.confidence}")
         require(0 < self.reversal_confidence < 1, "reversal_confidence",
@@ -175,3 +181,16 @@ class FitConfig:
     def grid_size(self) -> int:
         return (len(self.grid_a) * len(self.grid_b) * len(self.grid_e)
                 * len(self.grid_alpha) * len(self.grid_beta))
+
+
+def derived_config(cfg: FitConfig) -> FitConfig:
+    """``cfg`` for a compressed or sparse series: ``derived_n_bootstrap`` replicates, at most that many
+    for its backtest, and no Huber-delta sensitivity refits (a diagnostic that identification does
+    not use; three full multi-start fits per law)."""
+    import dataclasses
+
+    if cfg.derived_n_bootstrap is None:
+        return cfg
+    return dataclasses.replace(cfg, n_bootstrap=cfg.derived_n_bootstrap,
+                               backtest_bootstrap=min(cfg.backtest_bootstrap, cfg.derived_n_bootstrap),
+                               huber_delta_sensitivity=())

@@ -10,7 +10,7 @@ law may use.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from tasks.common.io import atomic_path, write_csv, write_json
 from tasks.scaling.chinchilla import PARAM_NAMES, bootstrap_chinchilla, fit_chinchilla, percentile_interval
 from tasks.scaling.compute_optimal import (FlopsPerToken, compare_variants, compute_optimal_table,
                                            fit_flops_per_token, optimal_allocation)
-from tasks.scaling.config import FitConfig
+from tasks.scaling.config import FitConfig, derived_config
 from tasks.scaling.diagnostics import identification, law_diagnostics
 from tasks.scaling.isoflop import isoflop_minima
 
@@ -177,7 +177,7 @@ def _fit_law(N: np.ndarray, D: np.ndarray, L: np.ndarray, C: np.ndarray, budget:
     return fit, boot, law_diagnostics(N, D, L, C, budget, fit, boot, cfg)
 
 
-def fit_series(series: dict[str, tuple], cfg: FitConfig) -> dict:
+def fit_series(series: dict[str, tuple], cfg: FitConfig, configs: Mapping[str, FitConfig] | None = None) -> dict:
     """``{name: (ChinchillaFit, BootstrapResult, diagnostics)}`` for each
     ``name: (N, D, loss, C, compute_budget or None)``.
 
@@ -186,9 +186,11 @@ def fit_series(series: dict[str, tuple], cfg: FitConfig) -> dict:
     starting a pool of its own: a pipeline fits a law per variant and per compression and
     sparsity setting, and a pool per law cost more in start-up than the small ladders' fits.
     Results do not depend on ``n_jobs`` (replicate i draws from ``(cfg.bootstrap_seed, i)``).
+    ``configs``: a config per series name where it differs from ``cfg`` (same ``n_jobs``).
     """
+    configs = configs or {}
     if cfg.n_jobs == 1 or len(series) < 2:
-        return {name: _fit_law(*arrays, cfg) for name, arrays in series.items()}
+        return {name: _fit_law(*arrays, configs.get(name, cfg)) for name, arrays in series.items()}
     import dataclasses
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -197,7 +199,8 @@ def fit_series(series: dict[str, tuple], cfg: FitConfig) -> dict:
     # spawn, not fork: the parent may hold polars/BLAS thread pools that fork would copy locked.
     with ProcessPoolExecutor(max_workers=min(cfg.n_jobs, len(series)),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: pool.submit(_fit_law, *arrays, inner) for name, arrays in series.items()}
+        futures = {name: pool.submit(_fit_law, *arrays, dataclasses.replace(configs[name], n_jobs=1)
+                                     if name in configs else inner) for name, arrays in series.items()}
         return {name: f.result() for name, f in futures.items()}
 
 
@@ -239,7 +242,9 @@ def fit_points(points: pl.DataFrame, cfg: FitConfig, *, excluded_runs: Sequence[
         budget = sub["compute_budget"].to_numpy() if "compute_budget" in sub.columns else None
         series[name] = (*(sub[c].to_numpy() for c in REQUIRED_COLUMNS), C, budget)
         meta[name] = (sub["row"].to_numpy(), flops, c_warn, "C" in sub.columns and not c_warn)
-    fitted = fit_series({k: v for k, v in series.items() if len(v[0]) >= 5}, cfg)
+    derived = set(frame.filter(pl.col("series") != "trained")["variant"].to_list()) if "series" in frame.columns else set()
+    fitted = fit_series({k: v for k, v in series.items() if len(v[0]) >= 5}, cfg,
+                        {k: derived_config(cfg) for k in derived})
     boots, flops_by, ranges, identified = {}, {}, {}, {}
     for name, (N, D, L, C, budget) in series.items():
         rows, flops, c_warn, measured = meta[name]

@@ -55,4 +55,27 @@ def test_old_reports_without_new_columns_still_gather(tmp_path: Path):
                   "val_loss": [4.0, 3.8]}).write_csv(tmp_path / "train.csv")
     g = gather_points(tmp_path, FitConfig())
     assert g.n_column == "n_params" and g.excluded_runs == []
-    assert g.points.columns == ["variant", "N", "D", "loss", "run"]
+    assert g.points.columns == ["variant", "N", "D", "loss", "run", "series"]
+
+
+def test_compressed_and_sparse_laws_use_derived_n_bootstrap(tmp_path: Path):
+    import numpy as np
+
+    from tasks.scaling.report import fit_points
+
+    n = np.repeat([1e6, 3e6, 1e7], 3)
+    d = np.tile([2e7, 6e7, 2e8], 3)
+    loss = 1.7 + 400 / n**0.34 + 410 / d**0.28
+    runs = [f"r{i}" for i in range(9)]
+    pl.DataFrame({"variant": ["raw"] * 9, "run": runs, "n_params": n, "tokens": d, "val_loss": loss}
+                 ).write_csv(tmp_path / "train.csv")
+    pl.DataFrame({"variant": ["raw"] * 9, "run": runs, "setting": ["rtn_w4"] * 9, "n_params": n, "tokens": d,
+                  "val_loss": loss * 1.01}).write_csv(tmp_path / "compress.csv")
+    g = gather_points(tmp_path, FitConfig())
+    assert dict(g.points.group_by("variant").agg(pl.col("series").first()).iter_rows()) == {
+        "raw": "trained", "raw+rtn_w4": "compress"}
+    cfg = FitConfig(n_bootstrap=6, derived_n_bootstrap=3, backtest_bootstrap=4, n_jobs=1, n_starts=4,
+                    bootstrap_n_starts=2, huber_delta_sensitivity=())
+    laws = fit_points(g.points, cfg)["variants"]
+    assert laws["raw"]["bootstrap"]["n_requested"] == 6
+    assert laws["raw+rtn_w4"]["bootstrap"]["n_requested"] == 3

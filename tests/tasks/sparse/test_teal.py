@@ -200,10 +200,10 @@ def test_params_file_loads_under_every_preset(preset):
     assert methods and all(isinstance(c, TealConfig) for _, c in methods.values())
 
 
-def test_demo_sweeps_three_levels_and_ci_one():
+def test_demo_sweeps_two_levels_and_ci_one():
     demo = load_stage_config(SparseEvalConfig, ROOT, "sparse_eval", "demo").methods()
     ci = load_stage_config(SparseEvalConfig, ROOT, "sparse_eval", "ci").methods()
-    assert demo["teal"][1].sparsities == (0.25, 0.5, 0.65) and demo["teal"][1].mode == "topk"
+    assert demo["teal"][1].sparsities == (0.5, 0.65) and demo["teal"][1].mode == "topk"
     assert demo["teal_calibrated"][1].mode == "threshold"
     assert list(ci) == ["teal"] and ci["teal"][1].sparsities == (0.5,)
 
