@@ -34,16 +34,19 @@ class TaskLawConfig:
     """``n_bootstrap``: replicates of both steps (runs for step 1, models for step 2).
     ``min_sigmoid_points``: models needed before step 2 is fitted (4 parameters).
     ``targets``: (N, D) points to predict, e.g. ``[[1.0e8, 2.0e9]]``; the ladder's largest run is
-    always predicted too (an in-range check). ``confidence`` of every interval."""
+    always predicted too (an in-range check). ``confidence`` of every interval. ``n_jobs``:
+    processes for the step-1 laws (one per task and variant; results do not depend on it)."""
 
     n_bootstrap: int = 200
     confidence: float = 0.95
     min_sigmoid_points: int = 6
     seed: int = 0
     targets: tuple[tuple[float, float], ...] = ()
+    n_jobs: int = 2
 
     def __post_init__(self) -> None:
         require(self.n_bootstrap >= 0, "n_bootstrap", f"must be >= 0, got {self.n_bootstrap}")
+        require(self.n_jobs >= 1, "n_jobs", f"must be >= 1, got {self.n_jobs}")
         require(0 < self.confidence < 1, "confidence", f"must be in (0, 1), got {self.confidence}")
         require(self.min_sigmoid_points >= 4, "min_sigmoid_points", f"must be >= 4 (a, k, b0, c), got {self.min_sigmoid_points}")
         require(all(len(t) == 2 and t[0] > 0 and t[1] > 0 for t in self.targets), "targets",
@@ -245,16 +248,21 @@ def fit_task_laws(rows: Sequence[dict], cfg: TaskLawConfig) -> dict:
     out: dict = {"method": "Bhagia et al. 2024 two-step task law: bpb = E + A/N^alpha + B/D^beta per variant; "
                            "acc = a/(1+exp(-k(bpb-b0)))+c across models",
                  "config": dataclasses.asdict(cfg), "tasks": {}}
+    usable = {task: [r for r in rows if r["task"] == task and _finite(r.get("bpb")) and _finite(r.get("primary"))]
+              for task in tasks}
+    jobs = {}
+    for task, t_rows in usable.items():
+        ladder = [r for r in t_rows if r["method"] == "none" and r["family"] == "ladder"]
+        for v in sorted({r["variant"] for r in ladder}):
+            pts = [r for r in ladder if r["variant"] == v]
+            jobs[task, v] = ([r["n_params"] for r in pts], [r["tokens"] for r in pts], [r["bpb"] for r in pts])
+    fitted = _fit_bpb_laws(jobs, cfg)
     for task in tasks:
-        t_rows = [r for r in rows if r["task"] == task and _finite(r.get("bpb")) and _finite(r.get("primary"))]
+        t_rows = usable[task]
         base = [r for r in t_rows if r["method"] == "none"]
-        variants = sorted({r["variant"] for r in base if r["family"] == "ladder"})
         entry: dict = {"laws": {}, "sigmoid": None, "predictions": [], "compressed_on_curve": None}
-        laws = {}
-        for v in variants:
-            pts = [r for r in base if r["family"] == "ladder" and r["variant"] == v]
-            law = fit_bpb_law([r["n_params"] for r in pts], [r["tokens"] for r in pts], [r["bpb"] for r in pts], cfg)
-            laws[v] = law
+        laws = {v: law for (t, v), law in fitted.items() if t == task}
+        for v, law in laws.items():
             entry["laws"][v] = _law_dict(law)
         chance = float(np.mean([r["chance"] for r in t_rows])) if t_rows else 0.25
         try:
@@ -286,6 +294,20 @@ def fit_task_laws(rows: Sequence[dict], cfg: TaskLawConfig) -> dict:
         entry["compressed_on_curve"] = by_method
         out["tasks"][task] = entry
     return out
+
+
+def _fit_bpb_laws(jobs: dict[tuple[str, str], tuple], cfg: TaskLawConfig) -> dict[tuple[str, str], dict]:
+    """:func:`fit_bpb_law` for every ``(task, variant): (N, D, bpb)``, over ``cfg.n_jobs`` processes."""
+    if cfg.n_jobs == 1 or len(jobs) < 2:
+        return {key: fit_bpb_law(*arrays, cfg) for key, arrays in jobs.items()}
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: the caller may hold torch/polars thread pools that fork would copy locked.
+    with ProcessPoolExecutor(max_workers=min(cfg.n_jobs, len(jobs)),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {key: pool.submit(fit_bpb_law, *arrays, cfg) for key, arrays in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
 
 
 def _finite(x) -> bool:
