@@ -52,7 +52,8 @@ def _stages() -> list[str]:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", DVC_NO_ANALYTICS="1", **extra)
+    # INFO: the kill points are timed from Prefect's "Beginning flow run" lines (conftest sets WARNING).
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", DVC_NO_ANALYTICS="1", PREFECT_LOGGING_LEVEL="INFO")
     env.pop("MLFLOW_TRACKING_URI", None)  # each workdir keeps its own store
     env.pop("SCALELAB_FAULT", None)
     env.update(extra)
