@@ -204,7 +204,8 @@ def comparisons(items: pl.DataFrame, confidence: float) -> list[dict]:
     variants = items.filter(pl.col("method") != "none").select("model").unique()["model"].to_list()
     for name in sorted(variants):
         base = name.split(":", 1)[0]
-        for (task,), g in items.filter(pl.col("model").is_in([name, base])).group_by("task"):
+        pair = items.filter(pl.col("model").is_in([name, base]))
+        for (task,), g in sorted(pair.group_by("task"), key=lambda kv: kv[0]):  # group_by's order is not stable
             a = g.filter(pl.col("model") == name).select("doc_id", pl.col("correct").alias("a"))
             b = g.filter(pl.col("model") == base).select("doc_id", pl.col("correct").alias("b"))
             j = a.join(b, on="doc_id")
