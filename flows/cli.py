@@ -93,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root).resolve()
     from flows.runtime import WorkdirError, ensure_workdir
 
+    if args.command == "run":
+        # Every stage's params, not only this stage's: a bad key stops the command before the
+        # workdir, the lock, MLflow or Prefect are touched (and before a long stage runs into a
+        # later stage's typo).
+        problems = _params_problems(root, args.preset)
+        for problem in problems:
+            print(f"scalelab: error: {problem}", file=sys.stderr)
+        if problems:
+            return 2
+
     workdir = root
     if getattr(args, "workdir", None):
         try:
@@ -130,6 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scalelab: error: {exc}", file=sys.stderr)
         return 2
     return 1
+
+
+def _params_problems(root: Path, preset: str | None) -> list[str]:
+    from flows.params_check import check_preset
+    from tasks.common.config import ConfigError
+    from tasks.common.params import default_preset
+
+    try:
+        return check_preset(root, preset or default_preset(root))
+    except ConfigError as exc:  # params/pipeline.yaml itself names no valid preset
+        return [str(exc)]
 
 
 def _run(args: argparse.Namespace, root: Path) -> int:

@@ -9,11 +9,12 @@ from tasks.common.params import PRESETS, load_stage_config
 
 
 def stage_configs() -> dict[str, type]:
-    """params/<stage>.yaml -> the dataclass its section loads into."""
+    """params/<stage>.yaml -> the dataclass its section loads into (one entry per params file)."""
     from flows.runtime import PipelineConfig
     from tasks.compression.registry import CompressionConfig
     from tasks.curation.prepare import PrepareConfig
     from tasks.curation.recipes import CurationConfig
+    from tasks.evaluation.downstream import EvaluateConfig
     from tasks.scaling.config import FitConfig
     from tasks.sparse.registry import SparseEvalConfig
     from tasks.training.config import TrainingConfig
@@ -25,17 +26,25 @@ def stage_configs() -> dict[str, type]:
         "training": TrainingConfig,
         "compression": CompressionConfig,
         "sparse_eval": SparseEvalConfig,
+        "evaluate": EvaluateConfig,
         "fit": FitConfig,
     }
 
 
-def check_all(root: str | Path) -> list[str]:
-    """Every problem found, as ``file:line: key: message`` strings (empty when all load)."""
+def check_preset(root: str | Path, preset: str) -> list[str]:
+    """Every problem of ``preset``'s params, as ``file:line: key: message`` strings (empty when all load).
+
+    ``scalelab run`` calls it before it takes the workdir or starts Prefect, so a bad key in any
+    stage's file stops the command before anything is written."""
     problems = []
     for stage, cls in stage_configs().items():
-        for preset in PRESETS:
-            try:
-                load_stage_config(cls, root, stage, preset)
-            except ConfigError as exc:
-                problems.append(f"[{preset}] {exc}")
+        try:
+            load_stage_config(cls, root, stage, preset)
+        except ConfigError as exc:
+            problems.append(str(exc))
     return problems
+
+
+def check_all(root: str | Path) -> list[str]:
+    """:func:`check_preset` for every preset, each problem prefixed with ``[preset]``."""
+    return [f"[{preset}] {p}" for preset in PRESETS for p in check_preset(root, preset)]

@@ -27,6 +27,15 @@ class ConfigError(ValueError):
     """A params value is missing, unknown or of the wrong type. The message names file and key."""
 
 
+def shown(path: str | Path) -> str:
+    """``path`` as the user would type it: relative to the current folder when it lies inside it."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
+
+
 def where(source: str | None, key: str, lines: Mapping[str, int] | None = None) -> str:
     """Format ``file:line: key`` for error messages: the key's line, else its nearest parent's."""
     lines = lines or {}
@@ -47,22 +56,22 @@ def load_yaml(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
     ``lr`` under ``training`` is written on line 12. Raises :class:`ConfigError`
     naming the file for a missing file, a YAML syntax error or a non-mapping.
     """
-    path = Path(path)
+    path, name = Path(path), shown(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path}: params file not found") from None
+        raise ConfigError(f"{name}: params file not found") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise ConfigError(f"{name}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        raise ConfigError(f"{name}: invalid YAML: {exc}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+        raise ConfigError(f"{name}: expected a mapping at the top level, got {type(data).__name__}")
     lines: dict[str, int] = {}
 
     def walk(n: yaml.Node, prefix: str) -> None:
@@ -72,7 +81,7 @@ def load_yaml(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
                 key = f"{prefix}.{k.value}" if prefix else str(k.value)
                 line = k.start_mark.line + 1
                 if key in seen:  # YAML would keep the last one silently
-                    raise ConfigError(f"{path}:{line}: {key}: repeated (first on line {seen[key]}); "
+                    raise ConfigError(f"{name}:{line}: {key}: repeated (first on line {seen[key]}); "
                                       f"keep one of them")
                 seen[key] = lines[key] = line
                 walk(v, key)

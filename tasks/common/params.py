@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tasks.common.config import ConfigError, deep_merge, from_mapping, load_yaml, where
+from tasks.common.config import ConfigError, deep_merge, from_mapping, load_yaml, shown, where
 
 T = TypeVar("T")
 
@@ -35,7 +35,7 @@ def stage_section(root: str | Path, stage: str, preset: str) -> tuple[dict[str, 
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     path = params_dir(root) / f"{stage}.yaml"
     data, lines = load_yaml(path)
-    source = str(path)
+    source = shown(path)
     unknown = sorted(set(data) - {stage, "presets"})
     if unknown:
         raise ConfigError(f"{where(source, unknown[0], lines)}: unknown top-level key; expected {stage!r} and 'presets'")

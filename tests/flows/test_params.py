@@ -43,3 +43,8 @@ def test_a_typo_in_a_real_params_file_names_file_line_and_key(tmp_path):
         load_stage_config(stage_configs()["training"], tmp_path, "training", "demo")
     problems = check_all(tmp_path)
     assert len(problems) == len(PRESETS) and all("learning_rate" in p for p in problems)
+
+
+def test_every_params_file_has_a_config():
+    """check-params and `scalelab run`'s pre-flight load every file of params/, none forgotten."""
+    assert set(stage_configs()) == {p.stem for p in (ROOT / "params").glob("*.yaml")}

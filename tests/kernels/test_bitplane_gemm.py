@@ -4,7 +4,6 @@ against the fp32 reference, and the reference against the weights tasks.compress
 from __future__ import annotations
 
 import functools
-import math
 import os
 import subprocess
 import sys
@@ -14,44 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-import kernels._dispatch as dispatch
 from kernels import bitplane_gemm as public
 from kernels.bitplane_gemm import reference
+from kernel_support import CUDA, DEVICE, INTERPRET, needs_cuda, rel_err, triton_module
 
-CUDA = torch.cuda.is_available()
-INTERPRET = dispatch.interpreter_requested()
-DEVICE = "cuda" if CUDA else "cpu"
-
-try:
-    from kernels.bitplane_gemm import triton as triton_impl
-except ImportError:  # pragma: no cover - Triton missing
-    triton_impl = None
-
-needs_triton = pytest.mark.skipif(
-    triton_impl is None or not (CUDA or (INTERPRET and triton_impl.INTERPRETED)),
-    reason="needs Triton with CUDA, or TRITON_INTERPRET=1 set before import (tests/conftest.py sets it without CUDA)",
-)
-needs_cuda = pytest.mark.skipif(not CUDA, reason="compiled Triton kernels need a CUDA device")
+triton_impl, needs_triton = triton_module("bitplane_gemm")
 
 
-@pytest.fixture
-def poison_empty(monkeypatch):
-    """Fresh buffers start as NaN (floats) or 0xFF (ints), so an output element a kernel forgets shows."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        t.fill_(math.nan if t.is_floating_point() else 255)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
-def _rel_err(a, b):
-    """Relative Frobenius error; the floor keeps an output that cancels to ~0 (1 x 7 shapes) from
-    turning fp32 rounding into a large ratio."""
-    floor = 1e-2 * b.numel() ** 0.5
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(floor)).item()
+_rel_err = functools.partial(rel_err, floor_per_elem=1e-2)
 
 
 def _anybcq():

@@ -10,34 +10,9 @@ import torch
 import kernels._dispatch as dispatch
 from kernels import group_quant
 from kernels.group_quant import reference
+from kernel_support import CUDA, DEVICE, needs_cuda, triton_module
 
-CUDA = torch.cuda.is_available()
-INTERPRET = dispatch.interpreter_requested()
-DEVICE = "cuda" if CUDA else "cpu"
-
-try:
-    from kernels.group_quant import triton as triton_impl
-except ImportError:  # pragma: no cover - Triton missing
-    triton_impl = None
-
-needs_triton = pytest.mark.skipif(
-    triton_impl is None or not (CUDA or (INTERPRET and triton_impl.INTERPRETED)),
-    reason="needs Triton with CUDA, or TRITON_INTERPRET=1 set before import (tests/conftest.py sets it without CUDA)",
-)
-needs_cuda = pytest.mark.skipif(not CUDA, reason="compiled Triton kernels need a CUDA device")
-
-
-@pytest.fixture
-def poison_empty(monkeypatch):
-    """Fresh buffers start as NaN (floats) or 0xFF (ints), so an element a kernel forgets to write shows."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        t.fill_(math.nan if t.is_floating_point() else 255)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
+triton_impl, needs_triton = triton_module("group_quant")
 
 
 SHAPES = [(1, 1), (63, 500), (7, 33), (128, 64), (500, 63)]

@@ -7,37 +7,11 @@ import math
 import pytest
 import torch
 
-import kernels._dispatch as dispatch
 from kernels import sparse_gemv as public
 from kernels.sparse_gemv import reference
+from kernel_support import CUDA, DEVICE, needs_cuda, rel_err, triton_module
 
-CUDA = torch.cuda.is_available()
-INTERPRET = dispatch.interpreter_requested()
-DEVICE = "cuda" if CUDA else "cpu"
-
-try:
-    from kernels.sparse_gemv import triton as triton_impl
-except ImportError:  # pragma: no cover - Triton missing
-    triton_impl = None
-
-needs_triton = pytest.mark.skipif(
-    triton_impl is None or not (CUDA or (INTERPRET and triton_impl.INTERPRETED)),
-    reason="needs Triton with CUDA, or TRITON_INTERPRET=1 set before import (tests/conftest.py sets it without CUDA)",
-)
-needs_cuda = pytest.mark.skipif(not CUDA, reason="compiled Triton kernels need a CUDA device")
-
-
-@pytest.fixture
-def poison_empty(monkeypatch):
-    """Fresh buffers start as NaN, so an output element the kernel forgets to write shows."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        t.fill_(math.nan if t.is_floating_point() else 255)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
+triton_impl, needs_triton = triton_module("sparse_gemv")
 
 
 def _masked_dense(x, w, threshold):
@@ -55,8 +29,7 @@ def _problem(tokens, out_f, in_f, dtype, seed=0, layout="row", device="cpu"):
     return x, w
 
 
-def _rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+_rel_err = rel_err
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
