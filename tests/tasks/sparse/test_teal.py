@@ -13,7 +13,7 @@ from kernels.sparse_gemv import sparse_gemv
 from tasks.common.config import ConfigError
 from tasks.common.params import PRESETS, load_stage_config
 from tasks.sparse.registry import SparseEvalConfig, get_sparsifier, parse_settings, sparsify
-from tasks.sparse.teal import TealConfig, teal, teal_sites, threshold_sparsify, topk_sparsify
+from tasks.sparse.teal import MagnitudeConfig, TealConfig, teal, teal_sites, threshold_sparsify, topk_sparsify
 
 ROOT = Path(__file__).resolve().parents[3]
 VOCAB, HIDDEN, INTER = 256, 64, 128
@@ -197,7 +197,8 @@ def test_registry_finds_teal_and_dispatches(model, tokens):
 def test_params_file_loads_under_every_preset(preset):
     cfg = load_stage_config(SparseEvalConfig, ROOT, "sparse_eval", preset)
     methods = cfg.methods()
-    assert methods and all(isinstance(c, TealConfig) for _, c in methods.values())
+    assert methods and all(isinstance(c, MagnitudeConfig) for _, c in methods.values())
+    assert "teal" in methods
 
 
 def test_demo_sweeps_two_levels_and_ci_one():
@@ -213,10 +214,11 @@ def test_demo_sweeps_two_levels_and_ci_one():
     [
         ({"method": "teal", "sparsities": [1.0]}, r"sparsities: each must be in \[0, 1\)"),
         ({"method": "teal", "mode": "oracle"}, r"sparse_eval\.settings\.t\.mode: expected one of"),
-        ({"method": "teal", "allocation": "greedy"}, r"allocation: expected one of \['uniform'\]"),
+        ({"method": "teal", "allocation": "best"}, r"allocation: expected one of \['uniform', 'greedy'\]"),
+        ({"method": "teal", "sparsities": [0.5, 0.96]}, r"greedy_max_level: must lie between the highest sparsity"),
         ({"method": "teal", "sparsity": [0.5]}, r"unknown key 'sparsity' for TealConfig"),
     ],
-    ids=["level_1", "bad_mode", "greedy_not_yet", "misspelt_key"],
+    ids=["level_1", "bad_mode", "bad_allocation", "max_level_below_sparsity", "misspelt_key"],
 )
 def test_settings_errors_name_the_key(entry, match):
     with pytest.raises(ConfigError, match=match):
