@@ -11,7 +11,8 @@ every step adds about the same effective sparsity; the last step is cut short so
 lands on ``s`` (TEAL's loop may overshoot by one step).
 
 The error is measured with the dense model's inputs to the block (captured once), as the mean over
-tokens of the L2 norm of the change of the block's output, on the last ``last_fraction`` of each
+tokens of the L2 norm of the change of the block's output (computed on the innermost module holding
+the block's sites, :func:`error_unit`: the MLP alone when only MLP inputs are sparsified), on the last ``last_fraction`` of each
 window's positions (TEAL's choice: later positions are closer to decoding). TEAL's code averages
 the norm over the sequence axis instead of the hidden axis; we take the per-token norm, which is
 what "activation error" means for a token-wise method. Documented choices, each a parameter:
@@ -43,6 +44,22 @@ def block_of(site: str) -> str:
     if not m:
         raise ValueError(f"site {site!r} is not inside a numbered block (e.g. model.layers.<i>.mlp.up_proj)")
     return m[1]
+
+
+def error_unit(sites: list[str]) -> str:
+    """The module whose output the greedy search compares: the innermost one holding all of a block's
+    sites — the block itself for attention and MLP sites, the MLP alone for TEAL's default MLP sites.
+    The MLP is the block's last residual branch, so the change of its output *is* the change of the
+    block's output (and costs ~2/3 of the block's compute to recompute). For attention sites alone
+    it is the attention's output, an approximation: that change also passes through the MLP."""
+    parts = [n.split(".")[:-1] for n in sites]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    unit = ".".join(common)
+    return unit if unit.startswith(block_of(sites[0])) else block_of(sites[0])
 
 
 def effective_sparsity(levels: Mapping[str, float], weights: Mapping[str, float]) -> float:
@@ -106,7 +123,8 @@ def greedy_path(
     by_block: dict[str, list[str]] = {}
     for n in sites:
         by_block.setdefault(block_of(n), []).append(n)
-    io = capture_blocks(model, list(by_block), input_ids) if up_to > 0 else {}
+    units = {b: error_unit(names) for b, names in by_block.items()}
+    io = capture_blocks(model, list(units.values()), input_ids) if up_to > 0 else {}
     path = GreedyPath(weights={}, states={}, errors={})
     for block, names in by_block.items():
         sizes = {n: float(sites[n].weight.numel()) for n in names}
@@ -117,8 +135,8 @@ def greedy_path(
         path.states[block], path.errors[block] = [dict(cur)], [0.0]
         if up_to == 0:
             continue
-        module = model.get_submodule(block)
-        args, kwargs, ref = io[block]
+        module = model.get_submodule(units[block])
+        args, kwargs, ref = io[units[block]]
         steps = {n: step / weights[n] for n in names}
 
         def error(trial: dict[str, float]) -> float:

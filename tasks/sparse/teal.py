@@ -60,7 +60,7 @@ class MagnitudeConfig(SparseMethodSpec):
     greedy_step: float = 0.05
     greedy_last_fraction: float = 0.25
     greedy_max_level: float = 0.95
-    greedy_windows: int = 4
+    greedy_windows: int = 2
     calib_seq_len: int = 128
     calib_batch_size: int = 8
     max_calib_values: int = 1_000_000
