@@ -12,8 +12,8 @@ import torch
 from kernels.sparse_gemv import sparse_gemv
 from tasks.common.config import ConfigError
 from tasks.common.params import PRESETS, load_stage_config
-from tasks.sparse.registry import SparseEvalConfig, get_sparsifier, parse_settings, sparsify
-from tasks.sparse.teal import MagnitudeConfig, TealConfig, teal, teal_sites, threshold_sparsify, topk_sparsify
+from tasks.sparse.registry import SparseEvalConfig, SparseMethodSpec, get_sparsifier, parse_settings, sparsify
+from tasks.sparse.teal import TealConfig, teal, teal_sites, threshold_sparsify, topk_sparsify
 
 ROOT = Path(__file__).resolve().parents[3]
 VOCAB, HIDDEN, INTER = 256, 64, 128
@@ -197,7 +197,7 @@ def test_registry_finds_teal_and_dispatches(model, tokens):
 def test_params_file_loads_under_every_preset(preset):
     cfg = load_stage_config(SparseEvalConfig, ROOT, "sparse_eval", preset)
     methods = cfg.methods()
-    assert methods and all(isinstance(c, MagnitudeConfig) for _, c in methods.values())
+    assert methods and all(isinstance(c, SparseMethodSpec) for _, c in methods.values())
     assert "teal" in methods
 
 
