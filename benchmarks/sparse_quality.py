@@ -26,7 +26,7 @@ import polars as pl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quant_quality import ladder_text, smollm2_text  # noqa: E402
+from quant_quality import model_and_text  # noqa: E402
 
 from tasks.evaluation.loss import evaluate_loss  # noqa: E402
 from tasks.sparse.registry import parse_settings, sparsify  # noqa: E402
@@ -64,12 +64,7 @@ def run_model(spec: str, args) -> list[dict]:
     import torch
 
     torch.set_num_threads(args.threads)
-    if spec == "smollm2":
-        model, val, calib, seq_len = smollm2_text(args.eval_tokens, args.calib_tokens)
-        name = "smollm2-135m"
-    else:
-        model, val, calib, seq_len = ladder_text(Path(spec), args.eval_tokens, args.calib_tokens)
-        name = Path(spec).name
+    model, val, calib, seq_len, name = model_and_text(spec, args.eval_tokens, args.calib_tokens)
     dense = math.exp(evaluate_loss(model, val, seq_len, args.batch_size))
     print(f"[{name}] dense ppl {dense:.2f} on {len(val) - 1} tokens; sites {args.sites}", flush=True)
     rows = []

@@ -10,18 +10,13 @@ import torch
 from tasks.common.config import ConfigError
 from tasks.sparse.quoka import QuokaConfig, quoka, quoka_select
 from tasks.sparse.registry import parse_settings, sparsify
+from sparse_support import VOCAB
+from sparse_support import tiny_llama as _tiny_llama
 
-VOCAB = 256
 
 
 def tiny_llama(kv_heads: int = 2, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                      use_cache=False, tie_word_embeddings=False, initializer_range=0.1)
-    return LlamaForCausalLM(cfg).eval()
+    return _tiny_llama(kv_heads=kv_heads, seed=seed)
 
 
 @pytest.fixture(scope="module")

@@ -13,21 +13,16 @@ from kernels.sparse_gemv import sparse_gemv
 from tasks.common.config import ConfigError
 from tasks.common.params import PRESETS, load_stage_config
 from tasks.sparse.registry import SparseEvalConfig, SparseMethodSpec, get_sparsifier, parse_settings, sparsify
+from sparse_support import HIDDEN, INTER, VOCAB
+from sparse_support import tiny_llama as _tiny_llama
 from tasks.sparse.teal import TealConfig, teal, teal_sites, threshold_sparsify, topk_sparsify
 
 ROOT = Path(__file__).resolve().parents[3]
-VOCAB, HIDDEN, INTER = 256, 64, 128
 LEVELS = [0.25, 0.5, 0.65]
 
 
-def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                      use_cache=False, tie_word_embeddings=False, initializer_range=0.1)
-    return LlamaForCausalLM(cfg).eval()
+def tiny_llama(kv_heads: int = 4, seed: int = 0):
+    return _tiny_llama(kv_heads=kv_heads, seed=seed)
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,13 @@ from tasks.sparse.allocation import block_of, effective_sparsity, greedy_levels
 from tasks.sparse.registry import parse_settings, sparsify
 from tasks.sparse.teal import TealConfig, teal_sites, topk_sparsify
 from tasks.sparse.wina import ALL_LINEARS, WinaConfig, column_norms, wina, wina_scales
+from sparse_support import VOCAB
+from sparse_support import tiny_llama as _tiny_llama
 
-VOCAB, HIDDEN, INTER = 256, 64, 128
 
 
-def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      use_cache=False, tie_word_embeddings=False, initializer_range=0.1)
-    return LlamaForCausalLM(cfg).eval()
+def tiny_llama(kv_heads: int = 2, seed: int = 0):
+    return _tiny_llama(kv_heads=kv_heads, seed=seed)
 
 
 @pytest.fixture(scope="module")
