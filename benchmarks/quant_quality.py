@@ -93,6 +93,13 @@ def ladder_text(model_dir: Path, eval_tokens: int, calib_tokens: int):
     return model, np.asarray(val[: eval_tokens + 1]), np.asarray(train[:calib_tokens]), int(meta["seq_len"])
 
 
+def model_and_text(spec: str, eval_tokens: int, calib_tokens: int):
+    """``(model, val tokens, calib tokens, seq_len, name)`` for ``smollm2`` or a trained model folder."""
+    if spec == "smollm2":
+        return (*smollm2_text(eval_tokens, calib_tokens), "smollm2-135m")
+    return (*ladder_text(Path(spec), eval_tokens, calib_tokens), Path(spec).name)
+
+
 def pareto(rows: list[dict]) -> set[str]:
     """Settings no other point beats with lower-or-equal bpw and lower ppl."""
     front = set()
@@ -159,12 +166,7 @@ def run_model(spec: str, args) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    if spec == "smollm2":
-        model, val, calib, seq_len = smollm2_text(args.eval_tokens, args.calib_tokens)
-        name = "smollm2-135m"
-    else:
-        model, val, calib, seq_len = ladder_text(Path(spec), args.eval_tokens, args.calib_tokens)
-        name = Path(spec).name
+    model, val, calib, seq_len, name = model_and_text(spec, args.eval_tokens, args.calib_tokens)
     overlap = calib_eval_overlap(calib, val)
     check_overlap(overlap, name)
     print(f"[{name}] loaded in {time.perf_counter() - t0:.0f}s; eval {len(val) - 1} tokens, calib {len(calib)}, "

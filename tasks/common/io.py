@@ -106,7 +106,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
-            fault_point("atomic_dir.swap")
+            fault_point("atomic_dir.swap", path.name)
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
         else:

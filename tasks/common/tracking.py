@@ -73,12 +73,21 @@ def _client(uri: str):
     return mlflow.MlflowClient(tracking_uri=uri)
 
 
-def _experiment_id(client, name: str) -> str:
+def artifact_root(uri: str) -> str | None:
+    """Where a new experiment of a sqlite store keeps its artifacts: ``mlartifacts/`` beside the
+    database (MLflow's default, ``./mlruns`` under the current folder, would put a workdir's
+    artifacts wherever the command happened to run). ``None`` (MLflow's choice) for other stores."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
+
+
+def _experiment_id(client, name: str, uri: str | None = None) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, artifact_location=artifact_root(uri) if uri else None)
     except Exception:  # created concurrently by another process
         exp = client.get_experiment_by_name(name)
         if exp is None:
@@ -310,7 +319,7 @@ def tracked_run(
     ``workdir`` (default: the parent's) is tagged as ``scalelab.workdir``.
     """
     client = _client(uri)
-    exp_id = _experiment_id(client, experiment)
+    exp_id = _experiment_id(client, experiment, uri)
     all_tags = {"mlflow.runName": name, **owner_tags()}
     if parent is not None:
         all_tags["mlflow.parentRunId"] = parent.run_id

@@ -123,7 +123,9 @@ class ActivationSparsity(contextlib.AbstractContextManager):
 
 
 SparsifyFn = Callable[..., ActivationSparsity]
-"""``sparsify(model, cfg, *, sparsity: float, calib_tokens: np.ndarray | None) -> ActivationSparsity``."""
+"""``sparsify(model, cfg, *, sparsity: float, calib_tokens: np.ndarray | None) -> handle``: an
+:class:`ActivationSparsity`, or an object with the same protocol (``with``, ``achieved_sparsity()``,
+``meta``) such as :class:`tasks.sparse.quoka.AttentionSparsity` for methods that skip KV pairs."""
 
 SPARSIFIERS: MethodRegistry[SparsifyFn] = MethodRegistry("sparse-inference method", "tasks.sparse")
 

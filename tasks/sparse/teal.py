@@ -14,19 +14,24 @@ Two ways of choosing what survives:
   intermediate states). Achieved sparsity on other text is close to, not exactly, ``s``.
 
 Sites: the ``nn.Linear`` layers whose names match ``targets`` (default: the MLP's ``gate_proj``,
-``up_proj`` — which share one input — and ``down_proj``). Each gets the same level ``s``: uniform
-allocation. **Not yet:** TEAL's greedy per-layer allocation (raise, step by step, the sparsity of
-the block whose increase costs least in output error until the model-level average is reached);
-``allocation`` only admits ``uniform`` until that is written. Attention projections are not in
-this issue's scope but are reachable by adding their names (``*.self_attn.q_proj`` ...) to ``targets``.
+``up_proj`` — which share one input — and ``down_proj``; add ``*.self_attn.*_proj`` for TEAL's
+full set). ``allocation: uniform`` gives every site the level ``s``; ``allocation: greedy`` is TEAL's
+block-wise greedy search (:mod:`tasks.sparse.allocation`): per block, the site whose next step
+costs least block-output error is raised until the block's weight-weighted sparsity is ``s``.
+
+The same machinery scores channels by ``|x_i| · c_i`` for a per-channel scale ``c`` when one is
+given (:mod:`tasks.sparse.wina`); TEAL is ``c = 1``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import hashlib
 import math
+import weakref
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -37,18 +42,25 @@ from tasks.sparse.registry import ActivationSparsity, SparseMethodSpec, register
 
 
 @dataclass(frozen=True, kw_only=True)
-class TealConfig(SparseMethodSpec):
-    """``mode``: ``topk`` (exact per token) or ``threshold`` (per-site calibrated thresholds).
-    ``targets``: glob patterns on qualified ``nn.Linear`` names whose inputs are sparsified.
+class MagnitudeConfig(SparseMethodSpec):
+    """What TEAL and WINA share. ``mode``: ``topk`` (exact per token) or ``threshold`` (per-site
+    calibrated thresholds). ``targets``: glob patterns on qualified ``nn.Linear`` names whose inputs
+    are sparsified. ``allocation``: ``uniform`` (every site at the level) or ``greedy`` (TEAL's
+    block-wise search; needs calibration tokens in either mode). ``greedy_step`` /
+    ``greedy_last_fraction`` / ``greedy_max_level`` / ``greedy_windows``: the search's step
+    (TEAL: 0.05), the share of each window's last positions its error counts (TEAL: 0.25), the
+    highest level one site may reach, and how many calibration windows it runs on.
     ``calib_seq_len``/``calib_batch_size``: windows for the calibration forward passes.
-    ``max_calib_values``: |x| samples kept per site for the quantile (uniform random subsample).
-    ``allocation``: per-site levels; only ``uniform`` (greedy allocation is not written yet).
+    ``max_calib_values``: scores sampled per site for the quantiles (uniform random subsample).
     """
 
-    method: Literal["teal"] = "teal"
     mode: Literal["topk", "threshold"] = "topk"
     targets: tuple[str, ...] = ("*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj")
-    allocation: Literal["uniform"] = "uniform"
+    allocation: Literal["uniform", "greedy"] = "uniform"
+    greedy_step: float = 0.05
+    greedy_last_fraction: float = 0.25
+    greedy_max_level: float = 0.95
+    greedy_windows: int = 2
     calib_seq_len: int = 128
     calib_batch_size: int = 8
     max_calib_values: int = 1_000_000
@@ -57,30 +69,49 @@ class TealConfig(SparseMethodSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(len(self.targets) > 0, "targets", "needs at least one pattern")
+        require(0.0 < self.greedy_step <= 0.5, "greedy_step", f"must be in (0, 0.5], got {self.greedy_step}")
+        require(0.0 < self.greedy_last_fraction <= 1.0, "greedy_last_fraction",
+                f"must be in (0, 1], got {self.greedy_last_fraction}")
+        require(max(self.sparsities) < self.greedy_max_level < 1.0, "greedy_max_level",
+                f"must lie between the highest sparsity ({max(self.sparsities)}) and 1, got {self.greedy_max_level}")
+        require(self.greedy_windows >= 1, "greedy_windows", f"must be >= 1, got {self.greedy_windows}")
         require(self.calib_seq_len >= 1, "calib_seq_len", f"must be >= 1, got {self.calib_seq_len}")
         require(self.calib_batch_size >= 1, "calib_batch_size", f"must be >= 1, got {self.calib_batch_size}")
         require(self.max_calib_values >= 1000, "max_calib_values", f"must be >= 1000, got {self.max_calib_values}")
 
 
-def topk_sparsify(x: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """Zero the ``round(sparsity * d)`` smallest-magnitude entries of each row of ``x`` (..., d).
+@dataclass(frozen=True, kw_only=True)
+class TealConfig(MagnitudeConfig):
+    """TEAL: the magnitude ``|x_i|`` decides (see :class:`MagnitudeConfig` for the fields)."""
 
-    Returns a new tensor (``x`` itself when nothing is dropped). Ties are broken by ``torch.topk``,
-    so every row has exactly that many entries zeroed (more where ``x`` already had zeros kept).
+    method: Literal["teal"] = "teal"
+
+
+def _scores(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    a = x.abs()
+    return a if scale is None else a * scale.to(a.dtype)
+
+
+def topk_sparsify(x: torch.Tensor, sparsity: float, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Zero the ``round(sparsity * d)`` lowest-scoring entries of each row of ``x`` (..., d).
+
+    The score of channel ``i`` is ``|x_i|``, times ``scale[i]`` when a per-channel ``scale`` (d,) is
+    given. Returns a new tensor (``x`` itself when nothing is dropped). Ties are broken by
+    ``torch.topk``, so every row has exactly that many entries zeroed.
     """
     d = x.shape[-1]
     n_drop = math.floor(sparsity * d + 0.5)
     if n_drop <= 0:
         return x
-    idx = torch.topk(x.abs(), n_drop, dim=-1, largest=False, sorted=False).indices
+    idx = torch.topk(_scores(x, scale), n_drop, dim=-1, largest=False, sorted=False).indices
     return x.scatter(-1, idx, 0)
 
 
-def threshold_sparsify(x: torch.Tensor, threshold: float) -> torch.Tensor:
-    """TEAL's ``s_t(x) = x * 1[|x| >= t]`` (``t = 0`` returns ``x``)."""
+def threshold_sparsify(x: torch.Tensor, threshold: float, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """TEAL's ``s_t(x) = x * 1[|x| >= t]`` (score ``|x| * scale`` when given; ``t = 0`` returns ``x``)."""
     if threshold <= 0:
         return x
-    return torch.where(x.abs() >= threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(_scores(x, scale) >= threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def teal_sites(model: nn.Module, targets: tuple[str, ...]) -> dict[str, nn.Linear]:
@@ -99,22 +130,28 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-@torch.no_grad()
-def calibrate_thresholds(
-    model: nn.Module, sites: dict[str, nn.Linear], calib_tokens: np.ndarray, cfg: TealConfig,
-    sparsities: tuple[float, ...],
-) -> dict[float, dict[str, float]]:
-    """Per-site thresholds for each level: ``{s: {site: t}}`` with ``t`` the ``s``-quantile of ``|x|``.
-
-    Runs the dense model over ``calib_tokens`` in windows of ``cfg.calib_seq_len`` and keeps a
-    uniform random subsample of at most ``cfg.max_calib_values`` input magnitudes per site. Sites
-    sharing an input (gate/up) see the same samples, so they get the same threshold.
-    """
-    seq = cfg.calib_seq_len
+def calib_windows(calib_tokens: np.ndarray, seq: int) -> torch.Tensor:
+    """``calib_tokens`` cut into windows of ``seq`` tokens, (n_windows, seq)."""
     n_windows = len(calib_tokens) // seq
     if n_windows == 0:
         raise ValueError(f"calib_tokens: need at least calib_seq_len={seq} tokens, got {len(calib_tokens)}")
-    windows = torch.from_numpy(np.asarray(calib_tokens[: n_windows * seq], dtype=np.int64)).view(n_windows, seq)
+    return torch.from_numpy(np.asarray(calib_tokens[: n_windows * seq], dtype=np.int64)).view(n_windows, seq)
+
+
+@torch.no_grad()
+def calibrate_scores(
+    model: nn.Module, sites: dict[str, nn.Linear], calib_tokens: np.ndarray, cfg: MagnitudeConfig,
+    scales: dict[str, torch.Tensor | None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Sorted samples of each site's channel scores (``|x_i|``, times ``scales[site]`` when given).
+
+    Runs the dense model over ``calib_tokens`` in windows of ``cfg.calib_seq_len`` and keeps a
+    uniform random subsample of at most ``cfg.max_calib_values`` scores per site. The level-``s``
+    threshold of a site is its ``s``-quantile (:func:`quantile`).
+    """
+    scales = scales or {}
+    windows = calib_windows(calib_tokens, cfg.calib_seq_len)
+    n_windows = len(windows)
     n_batches = math.ceil(n_windows / cfg.calib_batch_size)
     per_batch = math.ceil(cfg.max_calib_values / n_batches)
     samples: dict[str, list[torch.Tensor]] = {n: [] for n in sites}
@@ -122,7 +159,7 @@ def calibrate_thresholds(
 
     def collector(name: str):
         def hook(module: nn.Module, args: tuple) -> None:
-            a = args[0].detach().abs().flatten().float()
+            a = _scores(args[0].detach(), scales.get(name)).flatten().float()
             if a.numel() > per_batch:
                 g = gens.setdefault(name, torch.Generator(device="cpu").manual_seed(cfg.seed))
                 a = a[torch.randint(a.numel(), (per_batch,), generator=g).to(a.device)]
@@ -141,15 +178,87 @@ def calibrate_thresholds(
         for h in handles:
             h.remove()
         model.train(was_training)
-    out: dict[float, dict[str, float]] = {}
-    sorted_samples = {n: torch.sort(torch.cat(v)).values for n, v in samples.items()}
-    for s in sparsities:
-        # t = the floor(s*n)-th smallest |x|: a fraction ~s of samples lies strictly below it.
-        out[s] = {
-            n: (0.0 if s <= 0 else float(v[min(len(v) - 1, math.floor(s * len(v)))]))
-            for n, v in sorted_samples.items()
-        }
-    return out
+    return {n: torch.sort(torch.cat(v)).values for n, v in samples.items()}
+
+
+def quantile(sorted_samples: torch.Tensor, s: float) -> float:
+    """The level-``s`` threshold: the floor(s·n)-th smallest sample (a fraction ~s lies below it)."""
+    if s <= 0:
+        return 0.0
+    return float(sorted_samples[min(len(sorted_samples) - 1, math.floor(s * len(sorted_samples)))])
+
+
+def calibrate_thresholds(
+    model: nn.Module, sites: dict[str, nn.Linear], calib_tokens: np.ndarray, cfg: MagnitudeConfig,
+    sparsities: tuple[float, ...],
+) -> dict[float, dict[str, float]]:
+    """Per-site thresholds for each level: ``{s: {site: t}}`` with ``t`` the ``s``-quantile of ``|x|``.
+    Sites sharing an input (gate/up) see the same samples, so they get the same threshold."""
+    scores = calibrate_scores(model, sites, calib_tokens, cfg)
+    return {s: {n: quantile(v, s) for n, v in scores.items()} for s in sparsities}
+
+
+def magnitude_sparsity(
+    model: nn.Module, cfg: MagnitudeConfig, *, sparsity: float, calib_tokens: np.ndarray | None,
+    scales: dict[str, torch.Tensor | None] | None = None,
+) -> ActivationSparsity:
+    """The handle of a magnitude method (TEAL: no ``scales``; WINA: column norms) at ``sparsity``.
+
+    Per site a level (``sparsity``, or the greedy allocation's) becomes a top-k per token
+    (``mode: topk``) or a calibrated threshold on the scores (``mode: threshold``). The handle's
+    ``meta`` records the per-site ``levels`` (greedy) and ``thresholds`` (threshold mode).
+    """
+    require(0.0 <= sparsity < 1.0, "sparsity", f"must be in [0, 1), got {sparsity}")
+    sites = teal_sites(model, cfg.targets)
+    scales = scales or {}
+    meta: dict = {"method": cfg.method, "mode": cfg.mode, "sparsity": sparsity, "allocation": cfg.allocation}
+    needs_data = cfg.mode == "threshold" or cfg.allocation == "greedy"
+    if needs_data and calib_tokens is None:
+        raise ValueError(f"{cfg.method} with mode={cfg.mode}, allocation={cfg.allocation} needs calib_tokens "
+                         "to fit its thresholds or allocation")
+    scores = calibrate_scores(model, sites, calib_tokens, cfg, scales) if cfg.mode == "threshold" else None
+
+    def make_fn(name: str, level: float):
+        scale = scales.get(name)
+        if scores is None:
+            return lambda x, s=level, c=scale: topk_sparsify(x, s, c)
+        return lambda x, t=quantile(scores[name], level), c=scale: threshold_sparsify(x, t, c)
+
+    if cfg.allocation == "greedy":
+        levels = _greedy_path(model, sites, cfg, calib_tokens, make_fn, max(sparsity, *cfg.sparsities)).levels(sparsity)
+        meta["levels"] = {n: round(v, 6) for n, v in levels.items()}
+    else:
+        levels = {n: sparsity for n in sites}
+    if scores is not None:
+        meta["thresholds"] = {n: quantile(scores[n], levels[n]) for n in sites}
+    fns = {n: (m, make_fn(n, levels[n])) for n, m in sites.items()}
+    return ActivationSparsity(model, fns, meta=meta)
+
+
+_PATHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+
+
+def _greedy_path(model: nn.Module, sites: dict[str, nn.Linear], cfg: MagnitudeConfig, calib_tokens: np.ndarray,
+                 make_fn, up_to: float):
+    """TEAL's greedy path for ``model`` up to ``up_to``, computed once per (config, calibration tokens,
+    weights) and reused for every level of a sweep (the path does not depend on the level)."""
+    from tasks.sparse.allocation import greedy_path
+
+    fields = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "sparsities")
+    weights = tuple((n, m.weight.data_ptr(), m.weight._version) for n, m in sites.items())
+    key = (fields, weights, hashlib.sha1(np.ascontiguousarray(calib_tokens).tobytes()).hexdigest(), up_to)
+    cache = _PATHS.setdefault(model, {})
+    if key not in cache:
+        windows = calib_windows(calib_tokens, cfg.calib_seq_len)[: cfg.greedy_windows].to(_device(model))
+        was_training = model.training
+        model.eval()
+        try:
+            cache.clear()  # one path per model is enough for a sweep; drop older ones
+            cache[key] = greedy_path(model, sites, windows, make_fn, up_to, step=cfg.greedy_step,
+                                     last_fraction=cfg.greedy_last_fraction, max_level=cfg.greedy_max_level)
+        finally:
+            model.train(was_training)
+    return cache[key]
 
 
 @register_sparsifier("teal", TealConfig)
@@ -157,20 +266,9 @@ def teal(model: nn.Module, cfg: TealConfig, *, sparsity: float,
          calib_tokens: np.ndarray | None = None) -> ActivationSparsity:
     """TEAL at ``sparsity`` on ``cfg.targets``: a handle whose hooks sparsify each site's input.
 
-    ``mode: topk`` needs no data. ``mode: threshold`` calibrates per-site thresholds on
-    ``calib_tokens`` (required) with the dense model before returning. The handle's
-    ``meta["thresholds"]`` holds them (threshold mode); ``achieved_sparsity()`` reports the
-    fraction of zeroed inputs once the model has run inside ``with handle:``.
+    ``mode: topk`` with ``allocation: uniform`` needs no data; threshold mode and greedy allocation
+    calibrate on ``calib_tokens`` (required) with the dense model before returning. The handle's
+    ``meta["thresholds"]`` holds the thresholds (threshold mode); ``achieved_sparsity()`` reports
+    the fraction of zeroed inputs once the model has run inside ``with handle:``.
     """
-    require(0.0 <= sparsity < 1.0, "sparsity", f"must be in [0, 1), got {sparsity}")
-    sites = teal_sites(model, cfg.targets)
-    meta: dict = {"method": "teal", "mode": cfg.mode, "sparsity": sparsity, "allocation": cfg.allocation}
-    if cfg.mode == "topk":
-        fns = {n: (m, lambda x, s=sparsity: topk_sparsify(x, s)) for n, m in sites.items()}
-    else:
-        if calib_tokens is None:
-            raise ValueError("TEAL threshold mode needs calib_tokens to fit its thresholds")
-        thresholds = calibrate_thresholds(model, sites, calib_tokens, cfg, (sparsity,))[sparsity]
-        meta["thresholds"] = thresholds
-        fns = {n: (m, lambda x, t=thresholds[n]: threshold_sparsify(x, t)) for n, m in sites.items()}
-    return ActivationSparsity(model, fns, meta=meta)
+    return magnitude_sparsity(model, cfg, sparsity=sparsity, calib_tokens=calib_tokens)

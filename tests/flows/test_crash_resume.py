@@ -172,7 +172,7 @@ def test_a_kill_mid_swap_of_compressed_models_reruns_to_the_same_reports(ci_run,
     ref_dir, _ = ci_run
     ref_reports = reports(ref_dir)
     workdir = copy_workdir(ref_dir, tmp_path / "wd")
-    killed = scalelab(["run", "compress"], workdir, fault="atomic_dir.swap")
+    killed = scalelab(["run", "compress"], workdir, fault="atomic_dir.swap:compressed")
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-2000:]
     assert not (workdir / "models" / "compressed").exists()  # the kill really came mid-swap
     assert mlflow_status(workdir).get("RUNNING"), "the killed stage should have left its runs RUNNING"
@@ -187,7 +187,7 @@ def test_a_kill_mid_swap_of_compressed_models_reruns_to_the_same_reports(ci_run,
 def _kill_points(stage: str, duration: float) -> list[tuple[str, float | str]]:
     """Seeded kill points for a stage: random delays inside it, and its named fault points."""
     rng = random.Random(f"{SEED}:{stage}")
-    named = {"train": ["train.checkpoint@1", "train.checkpoint@3"], "compress": ["atomic_dir.swap"]}.get(stage, [])
+    named = {"train": ["train.checkpoint@1", "train.checkpoint@3"], "compress": ["atomic_dir.swap:compressed"]}.get(stage, [])
     timed = [round(rng.uniform(0.1, 0.9) * duration, 2) for _ in range(max(KILLS_PER_STAGE - len(named), 1))]
     return [("fault", n) for n in named] + [("time", t) for t in timed]
 
@@ -204,6 +204,9 @@ def test_every_stage_killed_anywhere_reruns_to_the_same_reports(stage: str, refe
         if kind == "time":
             kill_inside(["run", "all"], workdir, stage, float(at))
         else:
+            if str(at).startswith("atomic_dir.swap"):
+                # a folder is swapped only when it exists: kill a rerun over a finished workdir
+                copy_workdir(ref_dir, workdir)
             killed = scalelab(["run", "all"], workdir, fault=str(at))
             assert killed.returncode == -signal.SIGKILL, f"fault point {at} was never reached"
         rerun = scalelab(["run", "all"], workdir)

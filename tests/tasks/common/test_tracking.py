@@ -111,3 +111,18 @@ def test_heartbeat_is_refreshed_while_a_run_is_open(uri: str, monkeypatch):
         while float(client.get_run(run.run_id).data.tags[tr.HEARTBEAT]) <= first and time.time() < deadline:
             time.sleep(0.2)
         assert float(client.get_run(run.run_id).data.tags[tr.HEARTBEAT]) > first
+
+
+def test_artifacts_go_beside_the_store_not_under_the_current_folder(tmp_path: Path, monkeypatch):
+    """A workdir's artifacts belong to it: a run opened from another folder writes none there."""
+    wd, elsewhere = tmp_path / "wd", tmp_path / "elsewhere"
+    wd.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    report = tmp_path / "fits.json"
+    report.write_text("{}")
+    uri = f"sqlite:///{wd / 'mlflow.db'}"
+    with tracked_run("fit", uri=uri, experiment="t") as run:
+        run.log_artifact(report, "reports")
+    assert list((wd / "mlartifacts").rglob("fits.json"))
+    assert not list(elsewhere.iterdir())

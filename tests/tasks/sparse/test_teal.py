@@ -12,22 +12,17 @@ import torch
 from kernels.sparse_gemv import sparse_gemv
 from tasks.common.config import ConfigError
 from tasks.common.params import PRESETS, load_stage_config
-from tasks.sparse.registry import SparseEvalConfig, get_sparsifier, parse_settings, sparsify
+from tasks.sparse.registry import SparseEvalConfig, SparseMethodSpec, get_sparsifier, parse_settings, sparsify
+from sparse_support import HIDDEN, INTER, VOCAB
+from sparse_support import tiny_llama as _tiny_llama
 from tasks.sparse.teal import TealConfig, teal, teal_sites, threshold_sparsify, topk_sparsify
 
 ROOT = Path(__file__).resolve().parents[3]
-VOCAB, HIDDEN, INTER = 256, 64, 128
 LEVELS = [0.25, 0.5, 0.65]
 
 
-def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                      use_cache=False, tie_word_embeddings=False, initializer_range=0.1)
-    return LlamaForCausalLM(cfg).eval()
+def tiny_llama(kv_heads: int = 4, seed: int = 0):
+    return _tiny_llama(kv_heads=kv_heads, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +192,8 @@ def test_registry_finds_teal_and_dispatches(model, tokens):
 def test_params_file_loads_under_every_preset(preset):
     cfg = load_stage_config(SparseEvalConfig, ROOT, "sparse_eval", preset)
     methods = cfg.methods()
-    assert methods and all(isinstance(c, TealConfig) for _, c in methods.values())
+    assert methods and all(isinstance(c, SparseMethodSpec) for _, c in methods.values())
+    assert "teal" in methods
 
 
 def test_demo_sweeps_two_levels_and_ci_one():
@@ -213,10 +209,11 @@ def test_demo_sweeps_two_levels_and_ci_one():
     [
         ({"method": "teal", "sparsities": [1.0]}, r"sparsities: each must be in \[0, 1\)"),
         ({"method": "teal", "mode": "oracle"}, r"sparse_eval\.settings\.t\.mode: expected one of"),
-        ({"method": "teal", "allocation": "greedy"}, r"allocation: expected one of \['uniform'\]"),
+        ({"method": "teal", "allocation": "best"}, r"allocation: expected one of \['uniform', 'greedy'\]"),
+        ({"method": "teal", "sparsities": [0.5, 0.96]}, r"greedy_max_level: must lie between the highest sparsity"),
         ({"method": "teal", "sparsity": [0.5]}, r"unknown key 'sparsity' for TealConfig"),
     ],
-    ids=["level_1", "bad_mode", "greedy_not_yet", "misspelt_key"],
+    ids=["level_1", "bad_mode", "bad_allocation", "max_level_below_sparsity", "misspelt_key"],
 )
 def test_settings_errors_name_the_key(entry, match):
     with pytest.raises(ConfigError, match=match):

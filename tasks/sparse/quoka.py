@@ -1,0 +1,205 @@
+"""QuoKA: query-oriented KV selection for chunked prefill (sparse attention over the top-B keys).
+
+Prefill runs in chunks of ``chunk_size`` queries. Within each chunk, per attention head, the
+``n_queries`` queries least similar (cosine) to the chunk's mean query are kept as probes — the
+queries the mean represents worst, which the paper argues carry the chunk's distinct needs. Every
+visible key is scored by its cosine similarity to the probes; the scores are aggregated over the
+probes (``aggregate``: max or mean) and over the query heads of its GQA group, and the chunk's
+queries attend only to the top ``B = ceil(budget · visible keys)`` keys (causal mask kept). The first
+key is always kept (an attention sink; every query can see it), so no query is left without keys.
+
+Implemented as an attention function registered with ``transformers``' ``AttentionInterface``:
+entering the handle sets ``config._attn_implementation`` to it for any Llama-family model (the
+ladder's and SmolLM2-135M), leaving restores the previous implementation — one reversible patch.
+
+``sparsity`` is the share of KV pairs skipped: of the (query, key) pairs the causal mask allows,
+the fraction not attended; ``achieved_sparsity()`` counts them over what ran. A budget is a share of
+the keys each chunk sees, so the requested ``sparsity`` is met as ``budget = 1 - sparsity`` per chunk;
+short chunks near the start see few keys and keep at least ``min_keys``.
+
+Documented choices where the paper leaves room, each a parameter: ``chunk_size`` 32 (the ladder's
+contexts are 64–128 tokens; 512–2048 on SmolLM2-scale contexts), ``n_queries`` 4, ``aggregate: max``,
+``min_keys`` 8. Not implemented: the paper's CPU/GPU kernels — here the selected keys are gathered
+and attended with dense torch ops, which measures quality, not speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tasks.common.config import require
+from tasks.sparse.registry import SparseMethodSpec, register_sparsifier
+
+IMPL = "scalelab_sparse_attention"
+_ATTR = "_scalelab_sparse_attention"
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuokaConfig(SparseMethodSpec):
+    """``chunk_size``: queries per prefill chunk. ``n_queries``: probes kept per chunk and head.
+    ``aggregate``: how probe scores of a key combine (``max`` or ``mean``). ``min_keys``: keys kept
+    at least (a chunk that sees fewer keys attends to all of them)."""
+
+    method: Literal["quoka"] = "quoka"
+    chunk_size: int = 32
+    n_queries: int = 4
+    aggregate: Literal["max", "mean"] = "max"
+    min_keys: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.chunk_size >= 1, "chunk_size", f"must be >= 1, got {self.chunk_size}")
+        require(self.n_queries >= 1, "n_queries", f"must be >= 1, got {self.n_queries}")
+        require(self.min_keys >= 1, "min_keys", f"must be >= 1, got {self.min_keys}")
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def quoka_select(q: torch.Tensor, k: torch.Tensor, n_keep: int, n_queries: int, aggregate: str) -> torch.Tensor:
+    """Indices (b, h_kv, n_keep) of the keys QuoKA keeps for one chunk, in increasing order.
+
+    ``q``: the chunk's queries (b, h_q, c, d); ``k``: the keys it may see (b, h_kv, n, d). Key 0 is
+    always among them."""
+    b, hq, c, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    qn = F.normalize(q.float(), dim=-1)
+    mean = F.normalize(q.float().mean(dim=2, keepdim=True), dim=-1)
+    sim = (qn * mean).sum(-1)  # (b, hq, c)
+    probes = torch.topk(sim, min(n_queries, c), dim=-1, largest=False).indices
+    qs = torch.gather(qn, 2, probes[..., None].expand(-1, -1, -1, d))  # (b, hq, p, d)
+    kn = F.normalize(k.float(), dim=-1)
+    groups = hq // hkv
+    scores = qs.reshape(b, hkv, groups * qs.shape[2], d) @ kn.transpose(-1, -2)  # (b, hkv, g*p, n)
+    agg = scores.amax(dim=2) if aggregate == "max" else scores.mean(dim=2)  # (b, hkv, n)
+    agg[..., 0] = torch.inf  # the sink
+    return torch.topk(agg, n_keep, dim=-1).indices.sort(dim=-1).values
+
+
+class AttentionSparsity(contextlib.AbstractContextManager):
+    """A reversible patch of a model's attention: the ``ActivationSparsity`` protocol (``with``,
+    ``achieved_sparsity()``, ``meta``) for methods that skip KV pairs instead of input channels."""
+
+    def __init__(self, model: nn.Module, attend: Any, *, meta: dict[str, Any]) -> None:
+        self.model, self.attend, self.meta = model, attend, dict(meta)
+        self.attn_modules = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "k_proj")]
+        if not self.attn_modules or not hasattr(model, "config"):
+            raise ValueError(f"{type(model).__name__}: no Llama-family attention modules (q_proj/k_proj) to patch")
+        self._saved: str | None = None
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        self.skipped, self.visible = 0, 0
+
+    def __enter__(self) -> AttentionSparsity:
+        if self._saved is not None:
+            raise RuntimeError("this sparsity handle is already active")
+        _register()
+        self._saved = self.model.config._attn_implementation
+        self.model.config._attn_implementation = IMPL
+        for m in self.attn_modules:
+            setattr(m, _ATTR, self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            self.model.config._attn_implementation = self._saved
+            self._saved = None
+        for m in self.attn_modules:
+            if getattr(m, _ATTR, None) is self:
+                delattr(m, _ATTR)
+
+    @property
+    def active(self) -> bool:
+        return self._saved is not None
+
+    def achieved_sparsity(self) -> float | None:
+        return self.skipped / self.visible if self.visible else None
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The registered attention function: the active handle's method, or exact attention."""
+    handle = getattr(module, _ATTR, None)
+    if handle is None:  # a model that shares the config but is not patched: exact attention
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    return handle.attend(handle, query, key, value, attention_mask, scaling or query.shape[-1] ** -0.5), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(IMPL, _attention)
+    AttentionMaskInterface.register(IMPL, eager_mask)
+
+
+def attend_subset(handle: AttentionSparsity, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None, scaling: float, chunk_size: int, select) -> torch.Tensor:
+    """Chunked causal attention where each chunk of queries attends to the keys ``select`` keeps.
+
+    ``select(q_chunk, k_visible, n_visible) -> (b, h_kv, n_keep) indices or None`` (None = all).
+    Returns (b, q_len, h_q, d) as transformers' attention functions do; counts skipped pairs."""
+    b, hq, q_len, d = q.shape
+    hkv, k_len = k.shape[1], k.shape[2]
+    groups, offset = hq // hkv, k_len - q_len
+    out = torch.empty_like(q)
+    for s in range(0, q_len, chunk_size):
+        e = min(s + chunk_size, q_len)
+        n_vis = offset + e
+        qc, kc, vc = q[:, :, s:e], k[:, :, :n_vis], v[:, :, :n_vis]
+        qpos = torch.arange(offset + s, offset + e, device=q.device)
+        keep = select(qc, kc, n_vis)
+        if keep is None:
+            kpos = torch.arange(n_vis, device=q.device).expand(b, hkv, n_vis)
+        else:
+            kpos = keep
+            kc = torch.gather(kc, 2, keep[..., None].expand(-1, -1, -1, d))
+            vc = torch.gather(vc, 2, keep[..., None].expand(-1, -1, -1, d))
+        kr, vr, kp = _repeat_kv(kc, groups), _repeat_kv(vc, groups), _repeat_kv(kpos, groups)  # (b, hq, m, .)
+        scores = (qc.float() @ kr.float().transpose(-1, -2)) * scaling  # (b, hq, c, m)
+        allowed = kp[:, :, None, :] <= qpos[None, None, :, None]
+        if mask is not None:  # padding etc.: the model's additive mask at the kept keys' positions
+            m = mask[:, :, s:e, :n_vis].float()  # (b, 1, c, n_vis)
+            scores = scores + torch.gather(m.expand(b, hq, -1, -1), 3, kp[:, :, None, :].expand(-1, -1, e - s, -1))
+        scores = scores.masked_fill(~allowed, -math.inf)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out[:, :, s:e] = (probs @ vr.float()).to(q.dtype)
+        visible = b * hq * int((qpos + 1).sum())  # causal pairs of the chunk (key j <= query i)
+        handle.visible += visible
+        handle.skipped += visible - int(allowed.sum())
+    return out.transpose(1, 2).contiguous()
+
+
+@register_sparsifier("quoka", QuokaConfig)
+def quoka(model: nn.Module, cfg: QuokaConfig, *, sparsity: float,
+          calib_tokens: np.ndarray | None = None) -> AttentionSparsity:
+    """QuoKA keeping ``1 - sparsity`` of the keys each prefill chunk sees (see the module docstring);
+    needs no calibration."""
+    require(0.0 <= sparsity < 1.0, "sparsity", f"must be in [0, 1), got {sparsity}")
+    budget = 1.0 - sparsity
+
+    def select(qc: torch.Tensor, kc: torch.Tensor, n_vis: int) -> torch.Tensor | None:
+        n_keep = max(cfg.min_keys, math.ceil(budget * n_vis))
+        if sparsity == 0 or n_keep >= n_vis:
+            return None
+        return quoka_select(qc, kc, n_keep, cfg.n_queries, cfg.aggregate)
+
+    def attend(handle, q, k, v, mask, scaling):
+        return attend_subset(handle, q, k, v, mask, scaling, cfg.chunk_size, select)
+
+    meta = {"method": "quoka", "sparsity": sparsity, "chunk_size": cfg.chunk_size, "n_queries": cfg.n_queries,
+            "aggregate": cfg.aggregate}
+    return AttentionSparsity(model, attend, meta=meta)
