@@ -16,3 +16,8 @@ def tiny_llama(*, kv_heads: int = 4, seed: int = 0, max_positions: int = 256):
                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                       use_cache=False, tie_word_embeddings=False, initializer_range=0.1)
     return LlamaForCausalLM(cfg).eval()
+
+
+def logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=tokens).logits

@@ -11,6 +11,7 @@ from tasks.common.config import ConfigError
 from tasks.sparse.quoka import QuokaConfig, quoka, quoka_select
 from tasks.sparse.registry import parse_settings, sparsify
 from sparse_support import VOCAB
+from sparse_support import logits as _logits
 from sparse_support import tiny_llama as _tiny_llama
 
 
@@ -28,10 +29,6 @@ def model():
 def tokens():
     return torch.randint(0, VOCAB, (2, 96), generator=torch.Generator().manual_seed(5))
 
-
-def _logits(model, tokens):
-    with torch.no_grad():
-        return model(input_ids=tokens).logits
 
 
 def test_sparsity_zero_is_exact_attention_and_the_patch_is_undone(model, tokens):

@@ -14,6 +14,7 @@ from tasks.common.config import ConfigError
 from tasks.common.params import PRESETS, load_stage_config
 from tasks.sparse.registry import SparseEvalConfig, SparseMethodSpec, get_sparsifier, parse_settings, sparsify
 from sparse_support import HIDDEN, INTER, VOCAB
+from sparse_support import logits as _logits
 from sparse_support import tiny_llama as _tiny_llama
 from tasks.sparse.teal import TealConfig, teal, teal_sites, threshold_sparsify, topk_sparsify
 
@@ -34,10 +35,6 @@ def model():
 def tokens():
     return torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(7))
 
-
-def _logits(model, tokens):
-    with torch.no_grad():
-        return model(input_ids=tokens).logits
 
 
 # --- the mask --------------------------------------------------------------------------------
