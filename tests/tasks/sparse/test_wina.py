@@ -149,6 +149,10 @@ def test_greedy_lands_each_block_on_the_target(model, calib):
         mine = {n: v for n, v in levels.items() if n.startswith(block + ".")}
         assert effective_sparsity(mine, weights) == pytest.approx(0.5, abs=1e-6)
         assert all(0 <= v <= cfg.greedy_max_level for v in mine.values())
+    # what ran skips that share of weight reads (columns weighted by their length), up to top-k rounding
+    with torch.no_grad(), handle:
+        model(input_ids=torch.from_numpy(calib[:64].reshape(2, 32)))
+    assert handle.achieved_sparsity() == pytest.approx(0.5, abs=0.01)
 
 
 def test_greedy_piles_sparsity_on_the_sites_that_cost_nothing(calib):
@@ -217,3 +221,18 @@ def test_a_sweep_computes_the_greedy_path_once(calib, monkeypatch):
         model.model.layers[0].mlp.up_proj.weight.mul_(2)
     sparsify(model, cfg, sparsity=0.25, calib_tokens=calib)
     assert calls == [0.5, 0.5]
+
+
+def test_achieved_sparsity_counts_weight_reads():
+    """Each zero input entry skips one weight column, ``out_features`` reads: a narrow input into many
+    outputs weighs more per entry than a wide input into few."""
+    from tasks.sparse.registry import ActivationSparsity
+
+    narrow, wide = nn.Linear(4, 100), nn.Linear(100, 4)
+    model = nn.Sequential(narrow, nn.ReLU(), wide)
+    h = ActivationSparsity(model, {"0": (narrow, lambda x: torch.zeros_like(x)), "2": (wide, lambda x: x)})
+    with torch.no_grad(), h:
+        model(torch.randn(3, 4))
+    wide_zeros = h.per_site()["2"] * 300  # ReLU(bias): some of the wide input is zero as well
+    assert h.per_site()["0"] == 1.0
+    assert h.achieved_sparsity() == pytest.approx((12 * 100 + wide_zeros * 4) / (12 * 100 + 300 * 4))
