@@ -16,9 +16,11 @@ A missing Triton never fails a run: the reference is used and one warning says h
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import os
 import warnings
+from types import ModuleType
 from typing import Literal, NamedTuple
 
 import torch
@@ -104,6 +106,19 @@ def check_interpreted(module_interpreted: bool, op: str) -> None:
             "TRITON_INTERPRET=1 was set; set SCALELAB_TRITON=interpret or TRITON_INTERPRET=1 before "
             "importing kernels (tests/conftest.py does this)"
         )
+
+
+def implementation(op: str, device: torch.device | str | None = None) -> ModuleType:
+    """The module whose functions a call of ``kernels.<op>`` on ``device`` runs: ``kernels.<op>.reference``,
+    or ``kernels.<op>.triton`` (compiled, or interpreted after :func:`check_interpreted`). Both modules
+    define the op's functions with the same signatures."""
+    name = backend(device).name
+    if name == "reference":
+        return importlib.import_module(f"kernels.{op}.reference")
+    module = importlib.import_module(f"kernels.{op}.triton")
+    if name == "interpret":
+        check_interpreted(module.INTERPRETED, op)
+    return module
 
 
 # Set the interpreter flag before any kernel module defines a @triton.jit function.

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._dispatch import backend, check_interpreted
-from kernels.bitplane_gemm import reference
+from kernels._dispatch import implementation
 from kernels.bitplane_gemm.reference import dequantize, unpack_signs
 
 __all__ = ["bitplane_gemm", "dequantize", "unpack_signs"]
@@ -31,11 +30,5 @@ def bitplane_gemm(
 ) -> torch.Tensor:
     """``x @ (z + Σ_{p<bits} α_p b_p).T``: x (..., in), planes uint8 (max_bits, out, ceil(in / 8)),
     scales (out, groups, bits), offset (out, groups) or None -> (..., out) in ``x.dtype``."""
-    name = backend(x.device).name
-    if name == "reference":
-        return reference.bitplane_gemm(x, planes, scales, offset, bits=bits, group_size=group_size)
-    from kernels.bitplane_gemm import triton as triton_impl
-
-    if name == "interpret":
-        check_interpreted(triton_impl.INTERPRETED, "bitplane_gemm")
-    return triton_impl.bitplane_gemm(x, planes, scales, offset, bits=bits, group_size=group_size)
+    impl = implementation("bitplane_gemm", x.device)
+    return impl.bitplane_gemm(x, planes, scales, offset, bits=bits, group_size=group_size)

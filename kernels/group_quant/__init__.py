@@ -13,22 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels._dispatch import backend, check_interpreted
-from kernels.group_quant import reference
+from kernels._dispatch import implementation
 from kernels.group_quant.reference import n_groups, pack_codes, packed_cols, unpack_codes
 
 __all__ = ["quantize", "dequantize", "pack_codes", "unpack_codes", "packed_cols", "n_groups"]
 
 
 def _impl(device: torch.device):
-    name = backend(device).name
-    if name == "reference":
-        return reference
-    from kernels.group_quant import triton as triton_impl
-
-    if name == "interpret":
-        check_interpreted(triton_impl.INTERPRETED, "group_quant")
-    return triton_impl
+    return implementation("group_quant", device)
 
 
 def quantize(

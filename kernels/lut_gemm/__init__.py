@@ -16,22 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._dispatch import backend, check_interpreted
-from kernels.lut_gemm import reference
+from kernels._dispatch import implementation
 from kernels.lut_gemm.reference import Scope, dequantize, rtn_dequantize
 
 __all__ = ["lut_gemm", "rtn_gemm", "dequantize", "rtn_dequantize"]
-
-
-def _triton_impl(device: torch.device):
-    name = backend(device).name
-    if name == "reference":
-        return None
-    from kernels.lut_gemm import triton as triton_impl
-
-    if name == "interpret":
-        check_interpreted(triton_impl.INTERPRETED, "lut_gemm")
-    return triton_impl
 
 
 def lut_gemm(
@@ -46,7 +34,7 @@ def lut_gemm(
 ) -> torch.Tensor:
     """``x @ W.T`` with ``W = codebook[seg, code] (· row_scale)``: x (..., in), codes uint8
     (out, ceil(in · bits / 8)), codebook (segments, 2**bits) -> (..., out) in ``x.dtype``."""
-    impl = _triton_impl(x.device) or reference
+    impl = implementation("lut_gemm", x.device)
     return impl.lut_gemm(x, codes, codebook, bits=bits, scope=scope, group_size=group_size, row_scale=row_scale)
 
 
@@ -61,5 +49,5 @@ def rtn_gemm(
 ) -> torch.Tensor:
     """``x @ W.T`` with ``W = (q - zero) · scale`` per group: x (..., in), qweight uint8
     (out, ceil(in · bits / 8)), scales/zeros (out, groups) (zeros None: symmetric) -> (..., out)."""
-    impl = _triton_impl(x.device) or reference
+    impl = implementation("lut_gemm", x.device)
     return impl.rtn_gemm(x, qweight, scales, zeros, bits=bits, group_size=group_size)

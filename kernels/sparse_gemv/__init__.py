@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._dispatch import backend, check_interpreted
-from kernels.sparse_gemv import reference
+from kernels._dispatch import implementation
 from kernels.sparse_gemv.reference import active_channels
 
 __all__ = ["sparse_gemv", "active_channels"]
@@ -20,11 +19,4 @@ __all__ = ["sparse_gemv", "active_channels"]
 
 def sparse_gemv(x: torch.Tensor, weight: torch.Tensor, *, threshold: float) -> torch.Tensor:
     """``weight @ (x where |x| >= threshold else 0)``: x (..., in), weight (out, in) -> (..., out) in ``x.dtype``."""
-    name = backend(x.device).name
-    if name == "reference":
-        return reference.sparse_gemv(x, weight, threshold=threshold)
-    from kernels.sparse_gemv import triton as triton_impl
-
-    if name == "interpret":
-        check_interpreted(triton_impl.INTERPRETED, "sparse_gemv")
-    return triton_impl.sparse_gemv(x, weight, threshold=threshold)
+    return implementation("sparse_gemv", x.device).sparse_gemv(x, weight, threshold=threshold)
