@@ -159,10 +159,11 @@ class Shell:
         return done
 
     def start(self, cmd: str) -> subprocess.Popen:
-        log = open(self.cwd / f".job{len(self.jobs)}.log", "w")  # noqa: SIM115 (closed with the job)
-        proc = subprocess.Popen(["bash", "-c", cmd], cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        proc.log_path = Path(log.name)  # type: ignore[attr-defined]
+        log_path = self.cwd / f".job{len(self.jobs)}.log"
+        with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(["bash", "-c", cmd], cwd=self.cwd, env=self.env, stdout=log,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc.log_path = log_path  # type: ignore[attr-defined]
         self.jobs.append(proc)
         return proc
 
@@ -196,6 +197,12 @@ class Shell:
     def close(self) -> None:
         for proc in self.jobs:
             self.stop(proc)
+
+
+def option(cmd: Command, name: str) -> str:
+    """The value the command gives option ``name`` (``--out evals/`` -> ``evals/``)."""
+    words = shlex.split(cmd.text)
+    return words[words.index(name) + 1]
 
 
 def substituted(cmd: Command) -> str:
@@ -290,9 +297,9 @@ def check_dvc_plots(sh: Shell, cmd: Command) -> None:
 
 def check_eval_tasks(sh: Shell, cmd: Command) -> None:
     sh.ok(substituted(cmd))
-    out = sh.cwd / shlex.split(cmd.text)[shlex.split(cmd.text).index("--out") + 1]
+    out = sh.cwd / option(cmd, "--out")
     summary = pl.read_csv(out / "summary.csv")
-    asked = shlex.split(cmd.text)[shlex.split(cmd.text).index("--tasks") + 1].split(",")
+    asked = option(cmd, "--tasks").split(",")
     assert sorted(summary["task"]) == sorted(asked), summary
     assert (out / "items.parquet").exists()
 
@@ -301,8 +308,7 @@ def check_run_all(sh: Shell, cmd: Command) -> None:
     done = sh.ok(substituted(cmd))
     workdir = sh.cwd
     if "--workdir" in cmd.text:
-        words = shlex.split(cmd.text)
-        workdir = (sh.cwd / words[words.index("--workdir") + 1]).resolve()
+        workdir = (sh.cwd / option(cmd, "--workdir")).resolve()
         assert f"scalelab: workdir {workdir}" in done.stdout, done.stdout[-2000:]
     for name in ("train.csv", "compress.csv", "sparse_eval.csv", "downstream.csv", "fits.json"):
         assert (workdir / "reports" / name).exists(), f"{cmd}: no reports/{name} in {workdir}"
@@ -334,8 +340,7 @@ def check_params_ok(sh: Shell, cmd: Command) -> None:
 
 def check_curate(sh: Shell, cmd: Command) -> None:
     """A user's corpus: the prepared split's first documents, one exact duplicate, one broken line."""
-    words = shlex.split(cmd.text)
-    src, out = sh.cwd / words[words.index("--input") + 1], sh.cwd / words[words.index("--out") + 1]
+    src, out = sh.cwd / option(cmd, "--input"), sh.cwd / option(cmd, "--out")
     docs = pl.read_parquet(sh.cwd / "data" / "prepared" / "train" / "*.parquet").head(300).select("id", "text")
     lines = [json.dumps(r) for r in docs.to_dicts()]
     lines += [json.dumps({"id": "copy-of-first", "text": docs["text"][0]}), '{"id": "broken", "text": ']
@@ -455,8 +460,7 @@ def test_the_readme_quotes_the_error_a_bad_params_key_gets(tmp_path: Path):
 def test_the_workdir_command_runs_on_a_fresh_copy(tmp_path: Path):
     """The README's ``--workdir`` command, with the ci preset, into a folder that does not exist yet."""
     (cmd,) = [c for c in all_commands() if "--workdir" in c.text and "run all" in c.text]
-    words = shlex.split(cmd.text)
-    workdir = words[words.index("--workdir") + 1]
+    workdir = option(cmd, "--workdir")
     assert "/" in workdir, f"{cmd}: expected a nested workdir such as runs/demo"
     copy = fresh_copy(tmp_path / "repo")
     assert not (copy / workdir).parent.exists()
