@@ -5,6 +5,7 @@
     scalelab curate --input docs.jsonl --out out/ --recipe dedup_gopher_c4
     scalelab fit --points points.csv --out fits/
     scalelab eval tasks --model smollm2 --tasks arc_easy,piqa --limit 50 --out eval/
+    scalelab microbench --matrix correctness.csv --sizes 10,25,50,100,250 --out mb/
     scalelab check-params                   # load every params file under every preset
     scalelab serve                          # scheduled deployments on this machine
 """
@@ -80,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     evt.add_argument("--out", required=True, type=Path)
     _common(evt)
 
+    mb = sub.add_parser("microbench", help="evaluation subsets: MDAD, Kendall tau and error of subset "
+                        "selectors on a models x items correctness matrix")
+    mb.add_argument("--matrix", required=True, type=Path, help="CSV (model name, then one 0/1 column per item) "
+                    "or the evaluate stage's reports/downstream/correctness_<task>.parquet")
+    mb.add_argument("--sizes", required=True, help="comma-separated subset sizes, e.g. 10,25,50,100,250")
+    mb.add_argument("--out", required=True, type=Path)
+    mb.add_argument("--root", default=".")
+
     chk = sub.add_parser("check-params", help="load every params file under every preset")
     chk.add_argument("--root", default=".")
 
@@ -130,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             from flows.evaluate import eval_tasks_command
 
             return eval_tasks_command(args, root)
+        if args.command == "microbench":
+            return _microbench(args)
         if args.command == "check-params":
             return _check_params(root)
         if args.command == "serve":
@@ -195,6 +206,46 @@ def _fit(args: argparse.Namespace, root: Path) -> int:
     report = fit_points(points, cfg)
     for path in write_fit_report(report, points, args.out):
         print(path)
+    return 0
+
+
+def _microbench(args: argparse.Namespace) -> int:
+    """Every selector at every size; writes microbench.csv (method, n, mdad, kendall_tau, mae, ...),
+    microbench_bins.csv (ranking probability per gap bin), microbench.json (config and input) and
+    microbench.png (MDAD against n). Everything is checked before anything is written."""
+    from tasks.common.config import to_dict
+    from tasks.common.io import write_csv, write_json
+    from tasks.evaluation.microbench import MicrobenchConfig, compare_selectors, plot_mdad, read_correctness_matrix
+
+    sizes = []
+    for part in (p.strip() for p in args.sizes.split(",")):
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"--sizes: {part!r} is not a positive integer (e.g. --sizes 10,25,50)")
+        sizes.append(int(part))
+    matrix = read_correctness_matrix(args.matrix)
+    too_big = [n for n in sizes if n > len(matrix.items)]
+    if too_big:
+        raise ValueError(f"--sizes: {too_big[0]} is larger than the {len(matrix.items)} items of {args.matrix}")
+    cfg = MicrobenchConfig()
+    result = compare_selectors(matrix, sizes, cfg)
+    out = Path(args.out)
+    write_csv(out / "microbench.csv", result.table)
+    write_csv(out / "microbench_bins.csv", result.bins)
+    write_json(out / "microbench.json", {"matrix": str(args.matrix), "models": len(matrix.models),
+                                         "items": len(matrix.items), "dropped_items": matrix.dropped_items,
+                                         "sizes": sizes, "folds": result.folds, "notes": result.notes,
+                                         "config": to_dict(cfg)})
+    plot_mdad(result.table, out / "microbench.png", probability=cfg.probability,
+              title=f"{args.matrix.name}: {len(matrix.models)} models, {len(matrix.items)} items")
+    if matrix.dropped_items:
+        print(f"note: {matrix.dropped_items} item(s) that some model did not score were left out")
+    for note in result.notes:
+        print(f"note: {note}")
+    for row in result.table.iter_rows(named=True):
+        shown = f"{row['mdad'] * 100:.1f} pts" if row["mdad"] is not None else "none"
+        tau = f"{row['kendall_tau']:.3f}" if row["kendall_tau"] is not None else "n/a"
+        print(f"{row['method']:>16}  n={row['n']:<5} MDAD={shown:<9} tau={tau}  MAE={row['mae'] * 100:.2f} pts")
+    print(f"-> {out / 'microbench.csv'}, {out / 'microbench.png'}")
     return 0
 
 

@@ -217,3 +217,30 @@ def test_a_wrong_typed_params_value_is_named_by_file_line_and_key(tmp_path: Path
     err = capsys.readouterr().err
     assert re.search(pattern, err), err
     assert snapshot(tmp_path / "params") == before
+
+
+# ----------------------------------------------------------------------- scalelab microbench --matrix
+
+MATRIX_CSV = "model,q1,q2,q3\nalpha,1,0,1\nbeta,0,0,1\ngamma,1,1,1\ndelta,0,1,1\n"
+
+MICROBENCH_CASES = {
+    # case: (CSV text, --sizes, pattern that must appear in the message)
+    "not 0 or 1": (MATRIX_CSV.replace("beta,0,0,1", "beta,0,0.5,1"), "2",
+                   r"line 3, column 3 \('q2'\): '0.5' is not 0 or 1"),
+    "empty cell": (MATRIX_CSV.replace("gamma,1,1,1", "gamma,1,,1"), "2", r"line 4, column 3 \('q2'\): empty cell"),
+    "repeated model": (MATRIX_CSV + "beta,1,1,1\n", "2", r"line 6, column 1 \('model'\): model 'beta' is repeated"),
+    "one model": ("model,q1,q2\nalpha,1,0\n", "1", r"1 model\(s\); ranking needs at least 2"),
+    "size beyond the items": (MATRIX_CSV, "2,5", r"--sizes: 5 is larger than the 3 items of"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MICROBENCH_CASES))
+def test_microbench_refuses_a_bad_matrix_naming_file_line_and_column(tmp_path: Path, case: str, capsys):
+    text, sizes, pattern = MICROBENCH_CASES[case]
+    matrix = tmp_path / "matrix.csv"
+    matrix.write_text(text)
+    out = tmp_path / "mb"
+    err = refused(["microbench", "--matrix", str(matrix), "--sizes", sizes, "--out", str(out), "--root", str(ROOT)],
+                  out, capsys)
+    assert str(matrix) in err
+    assert re.search(pattern, err), err
