@@ -117,6 +117,10 @@ def test_the_comparison_is_reproducible_from_its_seed():
     a, b = compare_selectors(matrix, [8, 30], cfg), compare_selectors(matrix, [8, 30], cfg)
     assert a.table.equals(b.table) and a.bins.equals(b.bins)
     assert not compare_selectors(matrix, [8, 30], MicrobenchConfig(repeats=2, seed=1)).table.equals(a.table)
+    # A size's draws do not depend on which other sizes or methods are compared beside it.
+    alone = compare_selectors(matrix, [30], MicrobenchConfig(repeats=2, methods=("learned_anchors", "random")))
+    assert alone.table.sort("method").equals(a.table.filter(pl.col("n") == 30, pl.col("method").is_in(
+        ["learned_anchors", "random"])).sort("method"))
 
 
 def test_kendall_tau():
