@@ -150,7 +150,9 @@ def attend_subset(handle: AttentionSparsity, q: torch.Tensor, k: torch.Tensor, v
                   mask: torch.Tensor | None, scaling: float, chunk_size: int, select) -> torch.Tensor:
     """Chunked causal attention where each chunk of queries attends to the keys ``select`` keeps.
 
-    ``select(q_chunk, k_visible, n_visible) -> (b, h_kv, n_keep) indices or None`` (None = all).
+    ``select(q_chunk, k_visible, n_visible) -> indices or None`` (None = all): (b, h_kv, n_keep), one
+    key set per KV head shared by its GQA group, or (b, h_q, n_keep), one per query head, where ``-1``
+    pads heads that keep fewer keys (:mod:`tasks.sparse.proxyattn`).
     Returns (b, q_len, h_q, d) as transformers' attention functions do; counts skipped pairs."""
     b, hq, q_len, d = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
@@ -163,17 +165,21 @@ def attend_subset(handle: AttentionSparsity, q: torch.Tensor, k: torch.Tensor, v
         qpos = torch.arange(offset + s, offset + e, device=q.device)
         keep = select(qc, kc, n_vis)
         if keep is None:
-            kpos = torch.arange(n_vis, device=q.device).expand(b, hkv, n_vis)
-        else:
-            kpos = keep
-            kc = torch.gather(kc, 2, keep[..., None].expand(-1, -1, -1, d))
-            vc = torch.gather(vc, 2, keep[..., None].expand(-1, -1, -1, d))
-        kr, vr, kp = _repeat_kv(kc, groups), _repeat_kv(vc, groups), _repeat_kv(kpos, groups)  # (b, hq, m, .)
+            kr, vr = _repeat_kv(kc, groups), _repeat_kv(vc, groups)
+            kp = torch.arange(n_vis, device=q.device).expand(b, hq, n_vis)
+        elif keep.shape[1] != hq:  # one set per KV head: gather before repeating, the cheaper order
+            kr = _repeat_kv(torch.gather(kc, 2, keep[..., None].expand(-1, -1, -1, d)), groups)
+            vr = _repeat_kv(torch.gather(vc, 2, keep[..., None].expand(-1, -1, -1, d)), groups)
+            kp = _repeat_kv(keep, groups)  # (b, hq, m)
+        else:  # one set per query head, -1 = padding
+            kp, idx = keep, keep.clamp(min=0)[..., None].expand(-1, -1, -1, d)
+            kr, vr = torch.gather(_repeat_kv(kc, groups), 2, idx), torch.gather(_repeat_kv(vc, groups), 2, idx)
         scores = (qc.float() @ kr.float().transpose(-1, -2)) * scaling  # (b, hq, c, m)
-        allowed = kp[:, :, None, :] <= qpos[None, None, :, None]
+        allowed = (kp[:, :, None, :] <= qpos[None, None, :, None]) & (kp[:, :, None, :] >= 0)
         if mask is not None:  # padding etc.: the model's additive mask at the kept keys' positions
             m = mask[:, :, s:e, :n_vis].float()  # (b, 1, c, n_vis)
-            scores = scores + torch.gather(m.expand(b, hq, -1, -1), 3, kp[:, :, None, :].expand(-1, -1, e - s, -1))
+            scores = scores + torch.gather(m.expand(b, hq, -1, -1), 3,
+                                           kp.clamp(min=0)[:, :, None, :].expand(-1, -1, e - s, -1))
         scores = scores.masked_fill(~allowed, -math.inf)
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out[:, :, s:e] = (probs @ vr.float()).to(q.dtype)
