@@ -147,7 +147,7 @@ def scalelab_worker(tasks: list[str], limit: int, threads: int, result: Path) ->
     """``scalelab eval tasks`` with ``threads`` torch threads; per-item log-likelihoods and the batching to JSON."""
     from tasks.common.models import load_causal_lm
     from tasks.common.params import default_preset, load_stage_config
-    from tasks.evaluation.downstream import EvaluateConfig, _batches, _units, encode_items, evaluate_tasks
+    from tasks.evaluation.downstream import EvaluateConfig, _plan, _units, encode_items, evaluate_tasks
     from tasks.training.loop import set_process_threads
 
     set_process_threads(threads)
@@ -164,7 +164,7 @@ def scalelab_worker(tasks: list[str], limit: int, threads: int, result: Path) ->
     for task in tasks:
         items = load_requests(task, shots=0, limit=limit).items
         encoded = encode_items(items, tok, model_ctx_len=meta["model_ctx_len"])
-        sizes += [sum(len(u.choices) for u in b) for b in _batches(_units(encoded), encoded, cfg.scoring.batch_tokens)]
+        sizes += [len(b) for w in _plan(_units(encoded), cfg.scoring.batch_tokens) for b in w.rest_batches]
     result.write_text(json.dumps({
         "load_s": t_load, "score_s": t_score, "batch_tokens": cfg.scoring.batch_tokens,
         "requests_per_batch": float(np.mean(sizes)),

@@ -110,14 +110,32 @@ def test_accuracy_and_bpb_match_icl_metric(task, metric, neox, model):
 
 
 @pytest.mark.parametrize("batch_tokens", [16, 333, 4096])
-def test_shared_context_equals_one_forward_per_choice(batch_tokens, neox, model):
-    encoded = encode_items(load_requests("hellaswag", limit=9).items, neox, model_ctx_len=CTX)
+@pytest.mark.parametrize("task", ["hellaswag", "winogrande"])  # one context per item; one per choice
+def test_shared_context_equals_one_forward_per_choice(task, batch_tokens, neox, model):
+    encoded = encode_items(load_requests(task, limit=9).items, neox, model_ctx_len=CTX)
     shared = score_encoded(model, encoded, ScoringConfig(batch_tokens=batch_tokens), pad_token_id=1)
     full = score_encoded(model, encoded, ScoringConfig(batch_tokens=batch_tokens, shared_context="never"),
                          pad_token_id=1)
     for a, b in zip(shared, full):
         assert np.isfinite(a).all()
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_choices_share_their_longest_common_context_prefix(neox):
+    """Winogrande's choices differ in the option word inside the context: the words before it run once."""
+    from tasks.evaluation.downstream import _units
+
+    encoded = encode_items(load_requests("winogrande", limit=20).items, neox, model_ctx_len=WIDE)
+    units = _units(encoded)
+    assert len(units) == len(encoded)
+    assert any(0 < len(u.prefix) < min(len(c) for c in encoded[u.item].ctxs) - 1 for u in units)
+    for u in units:
+        e = encoded[u.item]
+        assert len(u.prefix) < min(len(c) for c in e.ctxs)  # every prediction comes from the rest pass
+        for k, rest in zip(u.choices, u.rests):
+            assert u.prefix + rest == e.ctxs[k] + e.conts[k][:-1]
+    alone = _units(encoded, share=False)
+    assert len(alone) == sum(e.item.n_choices for e in encoded) and not any(u.prefix for u in alone)
 
 
 def test_bpb_and_length_normalisation_follow_the_definitions():
