@@ -9,9 +9,11 @@ block boundary and score each block from its input ``Z_{l-1}`` and output ``Z_l`
   little entropy ``ΔH_l = H(Z_l) - H(Z_{l-1})`` inside the increasing phase carries little new
   information and is removed. ``H`` is estimated per calibration batch over the batch's token
   vectors with a bucket (histogram) or a k-NN (Kozachenko–Leonenko) estimator and averaged over batches.
-* **cosine_drop** (ShortGPT's block influence; Gromov et al., "The Unreasonable Ineffectiveness of
-  the Deeper Layers"): ``score_l = mean_tokens arccos(cos(Z_{l-1}, Z_l)) / π``; the blocks that turn
-  the residual stream least are removed.
+* **cosine_drop** (ShortGPT's block influence ``1 - cos``, measured as the angular distance of
+  Gromov et al., "The Unreasonable Ineffectiveness of the Deeper Layers"):
+  ``score_l = mean_tokens arccos(cos(Z_{l-1}, Z_l)) / π``; the blocks that turn the residual stream
+  least are removed, each scored on its own (ShortGPT), not as one run of ``n`` consecutive layers
+  (Gromov et al.).
 
 Removal keeps the model a runnable transformers model (:func:`remove_blocks`): whole layers are
 deleted, ``config.num_hidden_layers`` (and ``config.layer_types``) follow, and the remaining

@@ -1,0 +1,192 @@
+"""Block-pruning quality: EntroDrop against cosine_drop at equal removed layers, then recovery by CSD against forward KL.
+
+Run: ``.venv/bin/python benchmarks/pruning_quality.py [--model smollm2] [--model WORKDIR/models/trained/<variant>/<run>]
+[--remove 2 4] [--granularity layer] [--estimator knn] [--losses csd kl] [--steps 6] [--eval-tokens 2048] [--out reports/bench]``
+
+For each model (SmolLM2-135M on the news articles of the prepared validation split, scored and
+recovered on news of the training split, as in benchmarks/quant_quality.py; a ladder model on its
+workdir's tokens), both methods score every block once on the same calibration windows; for each
+``--remove`` count the lowest-scoring blocks are removed and the pruned model's validation
+perplexity measured; each pruned model is then distilled from the unpruned one for the same
+``--steps`` AdamW steps on the same training windows (embeddings and head frozen unless
+``--train-embeddings``) with every loss of ``--losses`` (``csd`` is
+the mode-seeking instance, ``csd_cover`` the mode-covering one) and measured again. The teacher's
+logits on those windows are computed once and shared by every run. Prints the table and checks the
+goals of issue 11: EntroDrop no worse than cosine_drop at equal removed blocks, CSD recovering at
+least as much as forward KL. Writes ``<out>/pruning_quality_<model>.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quant_quality import model_and_text  # noqa: E402
+
+from tasks.compression.block_pruning import (  # noqa: E402
+    CosineDropConfig,
+    EntroDropConfig,
+    angular_scores,
+    entropy_scores,
+    n_params,
+    prune_by_scores,
+)
+from tasks.compression.distill import DistillConfig, recover, token_windows  # noqa: E402
+from tasks.evaluation.loss import evaluate_loss  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSSES = {"csd": ("csd", "mode_seeking"), "csd_cover": ("csd", "mode_covering"), "kl": ("kl", "mode_seeking"),
+          "dld": ("dld", "mode_seeking")}
+
+
+class CachedTeacher(nn.Module):
+    """The teacher's logits per distinct batch, computed once: every recovery run sees the same batches."""
+
+    def __init__(self, teacher: nn.Module) -> None:
+        super().__init__()
+        self.teacher = teacher
+        self.cache: dict[tuple, torch.Tensor] = {}
+
+    def forward(self, input_ids: torch.Tensor, **kwargs):
+        key = (tuple(input_ids.shape), input_ids.cpu().numpy().tobytes())
+        if key not in self.cache:
+            with torch.no_grad():
+                self.cache[key] = self.teacher(input_ids=input_ids, use_cache=False).logits
+        return dataclasses.make_dataclass("Out", ["logits"])(self.cache[key])
+
+
+def goals(rows: list[dict]) -> list[str]:
+    out = []
+    pruned = {(r["method"], r["removed_blocks"]): r["ppl"] for r in rows if r["recovery_loss"] == "none"}
+    for n in sorted({n for _, n in pruned}):
+        e, c = pruned.get(("entrodrop", n)), pruned.get(("cosine_drop", n))
+        if e and c:
+            out.append(f"{'PASS' if e <= c else 'FAIL'} EntroDrop @ {n} removed: ppl {e:.2f} vs cosine_drop {c:.2f}")
+    rec = {(r["method"], r["removed_blocks"], r["recovery_loss"]): r["ppl"] for r in rows}
+    for (method, n), before in sorted(pruned.items()):
+        csd, kl = rec.get((method, n, "csd")), rec.get((method, n, "kl"))
+        if csd and kl:
+            out.append(f"{'PASS' if before - csd >= before - kl else 'FAIL'} CSD recovery of {method} @ {n}: "
+                       f"ppl {before:.2f} -> {csd:.2f} vs forward KL -> {kl:.2f}")
+    return out
+
+
+def run_model(spec: str, args) -> list[dict]:
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    model, val, train, seq_len, name = model_and_text(spec, args.eval_tokens, args.calib_tokens + args.recovery_tokens)
+    calib, recovery = train[: args.calib_tokens], train[args.calib_tokens :]
+
+    def ppl(m: nn.Module) -> float:
+        return math.exp(evaluate_loss(m, val, seq_len, args.batch_size))
+
+    dense = ppl(model)
+    params = n_params(model)
+    print(f"[{name}] dense ppl {dense:.2f} on {len(val) - 1} tokens, {params / 1e6:.1f}M params "
+          f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    rows = [{"model": name, "method": "none", "granularity": args.granularity, "removed_blocks": 0, "removed": "",
+             "recovery_loss": "none", "recovery_steps": 0, "recovery_tokens": 0, "ppl": dense, "params": params,
+             "removed_fraction": 0.0, "seconds": 0.0}]
+
+    base = dict(n_remove=1, granularity=args.granularity, seq_len=min(seq_len, args.calib_seq_len),
+                calib_windows=args.calib_windows)
+    configs = {"entrodrop": EntroDropConfig(estimator=args.estimator, **base), "cosine_drop": CosineDropConfig(**base)}
+    scores = {}
+    for method, cfg in configs.items():
+        t = time.perf_counter()
+        scores[method] = (entropy_scores if method == "entrodrop" else angular_scores)(model, cfg, calib_tokens=calib)
+        s = scores[method]
+        print(f"[{name}] {method} scores ({time.perf_counter() - t:.0f}s): "
+              + " ".join(f"{l}:{v:.3g}" for l, v in enumerate(s.scores))
+              + (f"; increasing phase from state {s.phase_start}" if s.phase_start is not None else ""), flush=True)
+
+    teacher = CachedTeacher(model)
+    windows = token_windows(recovery, args.recovery_seq_len)
+    for n in args.remove:
+        for method, cfg in configs.items():
+            t = time.perf_counter()
+            pruned = prune_by_scores(model, scores[method], dataclasses.replace(cfg, n_remove=n))
+            p = ppl(pruned.model)
+            row = {"model": name, "method": method, "granularity": args.granularity, "removed_blocks": n,
+                   "removed": " ".join(map(str, pruned.removed)), "params": pruned.params_after,
+                   "removed_fraction": pruned.params_removed / params}
+            rows.append(row | {"recovery_loss": "none", "recovery_steps": 0, "recovery_tokens": 0, "ppl": p,
+                               "seconds": round(time.perf_counter() - t, 1)})
+            print(f"[{name}] {method} -{n} (layers {pruned.removed}): ppl {p:.2f} ({time.perf_counter() - t:.0f}s)", flush=True)
+            for loss in args.losses:
+                t = time.perf_counter()
+                student = copy.deepcopy(pruned.model)
+                if not args.train_embeddings:  # tied with the head in SmolLM2: a fifth of the weights, a third of the head's backward
+                    student.get_input_embeddings().weight.requires_grad_(False)
+                    student.get_output_embeddings().weight.requires_grad_(False)
+                kind, weighting = LOSSES[loss]
+                dcfg = DistillConfig(loss=kind, weighting=weighting, steps=args.steps, lr=args.lr,
+                                     batch_size=args.recovery_batch_size, seq_len=args.recovery_seq_len, seed=0)
+                curve = recover(student, teacher, windows, dcfg)
+                student.eval()
+                rp = ppl(student)
+                rows.append(row | {"recovery_loss": loss, "recovery_steps": args.steps, "recovery_tokens": curve.tokens,
+                                   "ppl": rp, "seconds": round(time.perf_counter() - t, 1)})
+                print(f"[{name}] {method} -{n} + {loss} x{args.steps}: ppl {rp:.2f}; loss "
+                      f"{curve.losses[0]:.4g} -> {curve.losses[-1]:.4g} ({time.perf_counter() - t:.0f}s)", flush=True)
+                del student
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pl.DataFrame(rows).write_csv(out / f"pruning_quality_{name}.csv")
+    cols = ["none", *args.losses]
+    print(f"\n| {name}: ppl (dense {dense:.2f}), {args.granularity} blocks | removed | params | pruned | "
+          + " | ".join(f"+{c} x{args.steps}" for c in args.losses) + " |\n|---|---|---|---|" + "---|" * len(args.losses))
+    for n in args.remove:
+        for method in configs:
+            by = {r["recovery_loss"]: r for r in rows if r["method"] == method and r["removed_blocks"] == n}
+            r0 = by["none"]
+            print(f"| {method} -{n} | {r0['removed']} | {r0['params'] / 1e6:.1f}M | "
+                  + " | ".join(f"{by[c]['ppl']:.2f}" for c in cols) + " |")
+    print()
+    for line in goals(rows):
+        print(line)
+    print(f"[{name}] total {time.perf_counter() - t0:.0f}s")
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", help="smollm2 or a trained model folder (repeatable; default smollm2)")
+    p.add_argument("--remove", type=int, nargs="+", default=[2, 4], help="blocks removed (one run per count)")
+    p.add_argument("--granularity", choices=["layer", "attention", "mlp"], default="layer")
+    p.add_argument("--estimator", choices=["knn", "histogram"], default="knn", help="EntroDrop's entropy estimator")
+    p.add_argument("--losses", nargs="+", choices=sorted(LOSSES), default=["csd", "kl"])
+    p.add_argument("--steps", type=int, default=6, help="recovery AdamW steps per run")
+    p.add_argument("--train-embeddings", action="store_true", help="also train the embeddings and output head")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--recovery-batch-size", type=int, default=2)
+    p.add_argument("--recovery-seq-len", type=int, default=128)
+    p.add_argument("--recovery-tokens", type=int, default=4096, help="training tokens the recovery windows come from")
+    p.add_argument("--calib-tokens", type=int, default=1024, help="training tokens the blocks are scored on")
+    p.add_argument("--calib-windows", type=int, default=4)
+    p.add_argument("--calib-seq-len", type=int, default=256)
+    p.add_argument("--eval-tokens", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(ROOT / "reports" / "bench"))
+    args = p.parse_args()
+    for spec in args.model or ["smollm2"]:
+        run_model(spec, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
