@@ -7,7 +7,8 @@ process. Writes ``reports/downstream.csv`` (one row per model and task, Wilson i
 ``reports/downstream_comparisons.csv`` (each variant against its own base, paired over items),
 ``reports/downstream/items.parquet`` (per item and choice log-likelihoods),
 ``reports/downstream/correctness_<task>.parquet`` (models x items, 0/1), ``reports/task_laws.json``
-and ``reports/task_laws/<task>.png``. One MLflow child run per evaluated model.
+and ``reports/task_laws/<task>.png``, and evaluation subsets compared on those matrices
+(``reports/microbench.csv``, ``reports/microbench/<task>.png``). One MLflow child run per evaluated model.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tasks.common.tracking import RunRef, tracked_run
 from tasks.evaluation.downstream import (
     EvaluateConfig, TaskRequests, evaluate_tasks, load_requests, paired_difference, results_rows,
 )
+from tasks.evaluation.microbench import microbench_task, plot_mdad
 from tasks.evaluation.task_laws import fit_task_laws, plot_task_law
 
 SUMMARY_KEYS = ("n_items", "acc", "acc_ci_low", "acc_ci_high", "len_norm", "len_norm_ci_low", "len_norm_ci_high",
@@ -262,10 +264,13 @@ def evaluate_flow(
         frame = write_table(ctx, "downstream", summary, run)
         comps = comparisons(items, cfg.confidence)
         write_table(ctx, "downstream_comparisons", comps, run)
+        matrices = correctness_matrices(items)
         with atomic_dir(ctx.layout.reports / "downstream") as out:
             write_parquet(out / "items.parquet", items)
-            for t, wide in correctness_matrices(items).items():
+            for t, wide in matrices.items():
                 write_parquet(out / f"correctness_{t}.parquet", wide)
+        if cfg.microbench.enabled:
+            write_table(ctx, "microbench", evaluation_subsets(ctx, matrices, cfg), run)
         laws = fit_task_laws(summary, cfg.task_laws)
         with atomic_dir(ctx.layout.reports / "task_laws") as plots:
             for t, entry in laws["tasks"].items():
@@ -282,6 +287,23 @@ def evaluate_flow(
         print(f"evaluate: {n_models} models x {len(cfg.tasks)} tasks, {items.height} items in {wall:.1f} s -> "
               f"{ctx.layout.reports / 'downstream.csv'}")
         return frame.to_dicts()
+
+
+def evaluation_subsets(ctx: Context, matrices: dict[str, pl.DataFrame], cfg: EvaluateConfig) -> list[dict]:
+    """Subset selectors compared by MDAD on each task's correctness matrix (the models this stage
+    scored): ``reports/microbench.csv`` rows and ``reports/microbench/<task>.png``."""
+    rows = []
+    with atomic_dir(ctx.layout.reports / "microbench") as plots:
+        for t, wide in sorted(matrices.items()):
+            result, notes = microbench_task(t, wide, cfg.microbench)
+            for note in notes:
+                print(f"microbench: {note}")
+            if result is None:
+                continue
+            plot_mdad(result.table, plots / f"{t}.png", probability=cfg.microbench.probability,
+                      title=f"{t}: {wide.height} models")
+            rows += [{"task": t, **r} for r in result.table.to_dicts()]
+    return rows
 
 
 @task(name="evaluate-models", cache_policy=NO_CACHE)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from tasks.common.config import require
+from tasks.evaluation.microbench import MicrobenchStageConfig
 from tasks.evaluation.task_laws import TaskLawConfig
 
 LOG_2_OF_E = 1.44269504089  # the library's constant (olmo_eval.metrics.LOG_2_OF_E)
@@ -821,6 +822,7 @@ class EvaluateConfig:
     both only for the ``variant_top`` largest-compute runs of each variant (0 = every run).
     ``calib_tokens``: training tokens for sparse methods that calibrate. ``scoring``: batch size in
     tokens and the shared-context switch. ``num_threads``: torch threads per process.
+    ``microbench``: evaluation subsets compared on each task's correctness matrix.
     """
 
     tasks: tuple[str, ...] = ("arc_easy", "hellaswag", "piqa", "winogrande")
@@ -836,6 +838,7 @@ class EvaluateConfig:
     confidence: float = 0.95
     num_threads: int = 1
     task_laws: TaskLawConfig = field(default_factory=TaskLawConfig)
+    microbench: MicrobenchStageConfig = field(default_factory=MicrobenchStageConfig)
 
     def __post_init__(self) -> None:
         require(len(self.tasks) > 0, "tasks", "needs at least one task")

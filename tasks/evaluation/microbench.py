@@ -673,3 +673,55 @@ def irt_population(n_models: int = 40, n_items: int = 1000, *, seed: int = 0) ->
                              items=tuple(f"i{j:04d}" for j in range(n_items)), correct=correct,
                              source=f"irt_2pl(models={n_models}, items={n_items}, seed={seed})")
 
+
+
+# ---------------------------------------------------------------------------------------------
+# In the evaluate stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicrobenchStageConfig:
+    """The ``evaluate.microbench`` block: compare the selectors on each task's correctness matrix.
+
+    ``sizes`` larger than a task's items are left out (with a note); ``repeats``/``methods``/
+    ``probability``/``seed``: as in :class:`MicrobenchConfig`. Only models that scored every item
+    of the ladder's ``limit`` enter (SmolLM2's rows, scored on fewer items, would otherwise cut
+    every model's items to its own)."""
+
+    enabled: bool = True
+    sizes: tuple[int, ...] = (10, 25, 50)
+    methods: tuple[str, ...] = METHODS
+    repeats: int = 20
+    probability: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(len(self.sizes) > 0 and all(n >= 1 for n in self.sizes), "sizes",
+                f"must be positive item counts, got {list(self.sizes)}")
+        require(len(set(self.sizes)) == len(self.sizes), "sizes", f"has duplicates: {list(self.sizes)}")
+        require(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
+        self.compare_config()  # methods / probability checked where they are defined
+
+    def compare_config(self) -> MicrobenchConfig:
+        return MicrobenchConfig(methods=self.methods, repeats=self.repeats, probability=self.probability,
+                                seed=self.seed)
+
+
+def microbench_task(task: str, wide: pl.DataFrame, cfg: MicrobenchStageConfig
+                    ) -> tuple[MicrobenchResult | None, list[str]]:
+    """The selectors compared on one task's ``correctness_<task>`` frame (``model`` then 0/1/null
+    item columns); ``(None, notes)`` when too few complete models or items are left."""
+    complete = wide.filter(pl.all_horizontal(pl.exclude("model").is_not_null()))
+    notes = []
+    if complete.height < wide.height:
+        notes.append(f"{task}: {wide.height - complete.height} model(s) scored on fewer items left out")
+    if complete.height < 4:
+        return None, notes + [f"{task}: {complete.height} complete model(s); the comparison needs at least 4"]
+    matrix = _matrix_from_frame(complete, source=f"correctness_{task}", first_line=None)
+    sizes = [n for n in cfg.sizes if n <= len(matrix.items)]
+    if len(sizes) < len(cfg.sizes):
+        notes.append(f"{task}: sizes {[n for n in cfg.sizes if n not in sizes]} exceed its {len(matrix.items)} items")
+    if not sizes:
+        return None, notes
+    result = compare_selectors(matrix, sizes, cfg.compare_config())
+    return result, notes + result.notes

@@ -312,3 +312,17 @@ def test_the_microbench_command_refuses_sizes_that_are_not_positive_integers(tmp
                      "--root", str(tmp_path)]) == 2
         assert "--sizes: " in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_stage_leaves_out_models_scored_on_fewer_items_and_sizes_beyond_the_items():
+    from tasks.evaluation.microbench import MicrobenchStageConfig, microbench_task
+
+    rng = np.random.default_rng(0)
+    cols = {f"d{j}": rng.integers(0, 2, size=6).tolist() for j in range(12)}
+    wide = pl.DataFrame({"model": [f"m{i}" for i in range(6)], **cols})
+    wide = wide.with_columns(pl.when(pl.col("model") == "m5").then(None).otherwise(pl.col("d11")).alias("d11"))
+    result, notes = microbench_task("arc_easy", wide, MicrobenchStageConfig(sizes=(4, 20), repeats=2))
+    assert result is not None and result.table["n"].unique().to_list() == [4]
+    assert any("1 model(s)" in n for n in notes) and any("[20]" in n for n in notes)
+    too_few, notes = microbench_task("arc_easy", wide.head(3), MicrobenchStageConfig(sizes=(4,), repeats=2))
+    assert too_few is None and any("at least 4" in n for n in notes)
