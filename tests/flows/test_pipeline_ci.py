@@ -89,6 +89,11 @@ def test_downstream_tasks_score_every_model_and_fit_task_laws(ci_run):
     assert comps.height > 0 and set(comps["verdict"]) <= {"model better", "base better", "not distinguishable"}
     laws = json.loads((reports / "task_laws.json").read_text())
     assert set(laws["tasks"]) == set(down["task"])
+    # evaluation subsets compared on those matrices, each selector at the ci size
+    bench = pl.read_csv(reports / "microbench.csv", infer_schema_length=None)
+    assert set(bench["task"]) == set(down["task"]) and set(bench["n"]) == {4}
+    assert set(bench["method"]) == {"random", "stratified", "anchor_points", "learned_anchors"}
+    assert all((reports / "microbench" / f"{t}.png").exists() for t in set(down["task"]))
 
 
 def test_fits_json_has_a_law_per_variant(ci_run):
