@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.common.config import require
-from tasks.sparse.quoka import AttentionSparsity, _repeat_kv, attend_subset
+from tasks.sparse.quoka import AttentionSparsity, _repeat_kv, attend_subset, solve_keep_share
 from tasks.sparse.registry import SparseMethodSpec, register_sparsifier
 
 
@@ -115,17 +115,7 @@ def candidate_keep_share(q_len: int, k_len: int, block_size: int, sparsity: floa
     if candidates == 0:
         return 1.0
     room = (1.0 - sparsity) * visible - (visible - candidates)  # pairs left after sink and diagonal
-
-    def kept(phi: float) -> float:  # candidate pairs kept at share phi, per head
-        return sum(min(n_i, max(min(n_i, min_blocks), phi * n_i)) * pairs for n_i, pairs in blocks)
-
-    if kept(0.0) >= room:
-        return 0.0
-    lo, hi = 0.0, 1.0  # kept() is continuous and increasing in phi
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if kept(mid) < room else (lo, mid)
-    return hi
+    return solve_keep_share(blocks, min_blocks, room)
 
 
 def pool_heads(x: torch.Tensor, group_size: int, pooling: str) -> torch.Tensor:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -117,10 +118,17 @@ def earlier_keep_share(q_len: int, k_len: int, chunk_size: int, sparsity: float,
         chunks.append((offset + s, c))  # (earlier keys, queries)
     if not any(n for n, _ in chunks):
         return 1.0
-    room = (1.0 - sparsity) * visible - diagonal
+    return solve_keep_share(chunks, min_keys, (1.0 - sparsity) * visible - diagonal)
 
-    def kept(phi: float) -> float:  # earlier-key pairs kept at share phi
-        return sum(min(n, max(min(n, min_keys), phi * n)) * c for n, c in chunks)
+
+def solve_keep_share(groups: Sequence[tuple[int, int]], floor: int, room: float) -> float:
+    """The share ``φ`` in [0, 1] at which the pairs kept first reach ``room``, by bisection.
+
+    Each group is ``(n, weight)``: ``n`` units to choose from (earlier keys of a chunk, candidate
+    blocks of a query block), each worth ``weight`` pairs, of which ``min(n, max(min(n, floor), φ n))``
+    are kept. 0 when the floors alone reach ``room``."""
+    def kept(phi: float) -> float:
+        return sum(min(n, max(min(n, floor), phi * n)) * w for n, w in groups)
 
     if kept(0.0) >= room:
         return 0.0
