@@ -560,7 +560,7 @@ def score_encoded(model: nn.Module, encoded: Sequence[EncodedItem], cfg: Scoring
     """Summed log-likelihood (nats) of every choice of every item: ``out[i][k]`` float64, shape (n_choices,).
 
     Deterministic; fp32 on CPU, bf16 autocast on CUDA. The model's train/eval mode is restored.
-    ``on_batch(n_units_done)`` is called after each batch (for a progress bar).
+    ``on_batch(n_units_done)`` is called after each window of batches (for a progress bar).
     """
     device = _device_of(model)
     scorer = _Scorer(model)
