@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-STAGES = ("prepare", "curate", "train", "compress", "sparse_eval", "evaluate", "fit")
+STAGES = ("prepare", "curate", "train", "compress", "prune", "sparse_eval", "evaluate", "fit")
 
 
 def _env_defaults(root: Path) -> None:

@@ -11,6 +11,7 @@ from tasks.common.params import PRESETS, load_stage_config
 def stage_configs() -> dict[str, type]:
     """params/<stage>.yaml -> the dataclass its section loads into (one entry per params file)."""
     from flows.runtime import PipelineConfig
+    from tasks.compression.pruning import PruningConfig
     from tasks.compression.registry import CompressionConfig
     from tasks.curation.prepare import PrepareConfig
     from tasks.curation.recipes import CurationConfig
@@ -25,6 +26,7 @@ def stage_configs() -> dict[str, type]:
         "curation": CurationConfig,
         "training": TrainingConfig,
         "compression": CompressionConfig,
+        "pruning": PruningConfig,
         "sparse_eval": SparseEvalConfig,
         "evaluate": EvaluateConfig,
         "fit": FitConfig,

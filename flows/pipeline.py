@@ -1,4 +1,4 @@
-"""The whole study: prepare -> curate -> train -> compress -> sparse_eval -> evaluate -> fit.
+"""The whole study: prepare -> curate -> train -> compress -> prune -> sparse_eval -> evaluate -> fit.
 
 Run: ``scalelab run all --preset ci`` (or ``dvc repro``, which runs the same stages one by one).
 One MLflow parent run per pipeline run; each stage is a child, each model a grandchild.
@@ -13,6 +13,7 @@ from flows.curate import curate_flow
 from flows.evaluate import evaluate_flow
 from flows.fit import fit_flow
 from flows.prepare import prepare_flow
+from flows.prune import prune_flow
 from flows.sparse_eval import sparse_eval_flow
 from flows.stage import stage_context
 from flows.train import train_flow
@@ -24,6 +25,7 @@ STAGE_FLOWS = {
     "curate": curate_flow,
     "train": train_flow,
     "compress": compress_flow,
+    "prune": prune_flow,
     "sparse_eval": sparse_eval_flow,
     "evaluate": evaluate_flow,
     "fit": fit_flow,

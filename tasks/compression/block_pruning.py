@@ -40,7 +40,7 @@ from torch import nn
 
 from tasks.common.config import require, to_dict
 from tasks.compression._calib import calibration_windows, model_seq_len
-from tasks.compression.registry import MethodSpec
+from tasks.compression.registry import MethodSpec, register_pruner
 
 GRANULARITIES = ("layer", "attention", "mlp")
 ESTIMATORS = ("knn", "histogram")
@@ -474,6 +474,7 @@ def prune_by_scores(model: nn.Module, scores: BlockScores, cfg: BlockPruneConfig
     return PrunedModel(pruned.eval(), cfg.method, cfg.granularity, remove, scores, before, after, to_dict(cfg))
 
 
+@register_pruner("entrodrop", EntroDropConfig)
 def entrodrop(model: nn.Module, cfg: EntroDropConfig, *, calib_tokens: np.ndarray | torch.Tensor | None) -> PrunedModel:
     """EntroDrop: remove the ``n_remove`` blocks with the smallest entropy increase in the increasing phase.
 
@@ -483,6 +484,7 @@ def entrodrop(model: nn.Module, cfg: EntroDropConfig, *, calib_tokens: np.ndarra
     return prune_by_scores(model, entropy_scores(model, cfg, calib_tokens=calib_tokens), cfg)
 
 
+@register_pruner("cosine_drop", CosineDropConfig)
 def cosine_drop(model: nn.Module, cfg: CosineDropConfig, *, calib_tokens: np.ndarray | torch.Tensor | None) -> PrunedModel:
     """cosine_drop: remove the ``n_remove`` blocks with the smallest input/output angular distance."""
     decoder_layers(model)

@@ -202,6 +202,20 @@ def register_method(name: str, config_cls: type[MethodSpec]) -> Callable[[Compre
     return METHODS.register(name, config_cls)
 
 
+PruneFn = Callable[..., Any]
+"""``prune(model: nn.Module, cfg, *, calib_tokens: np.ndarray | None) -> result`` where ``result`` has
+``.model`` (the smaller, runnable model; the input is left unchanged) and ``.meta()`` (JSON-friendly record)."""
+
+PRUNERS: MethodRegistry[PruneFn] = MethodRegistry("pruning method", "tasks.compression")
+"""Structural methods (block removal, low-rank inheritance): their result changes the architecture, so
+it is scored and recovered by the prune stage (:mod:`flows.prune`), not packed like a quantized model."""
+
+
+def register_pruner(name: str, config_cls: type[MethodSpec]) -> Callable[[PruneFn], PruneFn]:
+    """Decorator registering ``prune(model, cfg, *, calib_tokens) -> result`` as pruning method ``name``."""
+    return PRUNERS.register(name, config_cls)
+
+
 DequantizeFn = Callable[..., dict[str, torch.Tensor]]
 """``dequantized_state(tensors, meta, **options) -> state dict`` of one method's stored format."""
 

@@ -140,3 +140,15 @@ def test_mlflow_has_finished_runs_for_all_stages(ci_run):
     trained = [r for r in runs if r.data.tags.get("scalelab.stage") == "train" and "variant" in r.data.params]
     assert trained and all({"variant", "n_params", "tokens"} <= set(r.data.params) for r in trained)
     assert all("val_loss" in r.data.metrics for r in trained)
+
+
+def test_pruning_rows_dense_pruned_and_recovered(ci_run):
+    workdir, _ = ci_run
+    prune = pl.read_csv(workdir / "reports" / "pruning.csv", infer_schema_length=None)
+    train = pl.read_csv(workdir / "reports" / "train.csv")
+    # the largest run of each variant, dense and pruned by both methods, then recovered by CSD
+    assert set(prune["variant"]) == set(train["variant"])
+    assert set(prune["method"]) == {"dense", "entrodrop", "cosine_drop"}
+    pruned = prune.filter(pl.col("method") != "dense")
+    assert (pruned["params"] < pruned["params"].max() + 1).all() and (pruned["removed_fraction"] > 0).all()
+    assert set(pruned["recovery_loss"]) == {"none", "csd"} and prune["ppl"].is_finite().all()

@@ -1,0 +1,261 @@
+"""The prune stage's config and its per-model work: prune, score, recover by distillation, score again.
+
+A setting of ``params/pruning.yaml`` names a registered pruning method (:data:`PRUNERS`:
+``entrodrop``, ``cosine_drop``, ...) and its fields::
+
+    pruning:
+      settings:
+        entrodrop_l1: {method: entrodrop, n_remove: 1, granularity: layer}
+      recovery:
+        losses: [csd, kl]        # one distillation run per loss from the same pruned model
+        steps: 20
+
+:func:`prune_rows` runs every setting on one model and returns one row for the dense model, one for
+each pruned model before recovery (``recovery_loss = "none"``) and one per recovery loss, each with
+validation perplexity, parameter count and forward FLOPs per token (:func:`forward_flops_per_token`).
+The teacher of every recovery run is the unpruned model, whose logits on the recovery batches are
+computed once and shared by every run (:class:`CachedTeacher`), so losses differ only in the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tasks.common.config import require, to_dict
+from tasks.compression.distill import LOSSES, DistillConfig, recover, token_windows
+from tasks.compression.registry import PRUNERS, MethodSpec
+from tasks.evaluation.loss import evaluate_loss
+
+# The recovery losses a params file may name: (distill loss, CSD weighting).
+RECOVERY_LOSSES = {"csd": ("csd", "mode_seeking"), "csd_cover": ("csd", "mode_covering"),
+                   "kl": ("kl", "mode_seeking"), "dld": ("dld", "mode_seeking")}
+assert {kind for kind, _ in RECOVERY_LOSSES.values()} <= set(LOSSES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryConfig:
+    """Distillation after pruning. ``losses``: one run per entry of :data:`RECOVERY_LOSSES` (``csd``
+    is the mode-seeking instance, ``csd_cover`` the mode-covering one; empty = no recovery).
+    ``steps`` AdamW steps at ``lr`` on batches of ``batch_size`` windows of ``seq_len`` tokens drawn
+    from the first ``tokens`` training tokens after the calibration ones. ``train_embeddings``:
+    also train the (often tied) embeddings and head; off by default, as in the benchmark (a fifth of
+    SmolLM2's weights, and the head's gradient is a third of the backward)."""
+
+    losses: tuple[str, ...] = ("csd", "kl")
+    steps: int = 20
+    lr: float = 1e-4
+    batch_size: int = 4
+    seq_len: int = 128
+    tokens: int = 16384
+    train_embeddings: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [x for x in self.losses if x not in RECOVERY_LOSSES]
+        require(not bad, "losses", f"unknown loss(es) {bad}; choose from {list(RECOVERY_LOSSES)}")
+        require(len(set(self.losses)) == len(self.losses), "losses", f"has duplicates: {list(self.losses)}")
+        require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
+        require(self.tokens >= self.seq_len, "tokens", f"must be >= seq_len ({self.seq_len}), got {self.tokens}")
+
+    def distill(self, loss: str) -> DistillConfig:
+        kind, weighting = RECOVERY_LOSSES[loss]
+        return DistillConfig(loss=kind, weighting=weighting, steps=self.steps, lr=self.lr,
+                             batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruningConfig:
+    """The ``pruning:`` section of params/pruning.yaml.
+
+    ``settings``: named pruning entries (``{method: entrodrop, n_remove: 1, ...}``), checked against
+    each method's config class; ``enabled``: the settings to run (empty = all). ``models``: trained
+    runs by name (empty = the largest run of each variant, ``largest_only``; false = all runs).
+    ``calib_tokens``: training tokens the methods score blocks on; ``eval_tokens`` validation tokens
+    scored per model at ``seq_len`` (None = the model's training length) in batches of ``batch_size``.
+    ``recovery``: :class:`RecoveryConfig`. ``pretrained`` (``smollm2``) with ``pretrained_settings``
+    (empty = the enabled ones) and its own ``pretrained_*`` token counts and window length.
+    """
+
+    settings: dict[str, dict[str, Any]]
+    enabled: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    largest_only: bool = True
+    calib_tokens: int = 4096
+    eval_tokens: int = 32768
+    seq_len: int | None = None
+    batch_size: int = 16
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    pretrained: tuple[str, ...] = ()
+    pretrained_settings: tuple[str, ...] = ()
+    pretrained_calib_tokens: int = 2048
+    pretrained_eval_tokens: int = 8192
+    pretrained_seq_len: int = 256
+    pretrained_batch_size: int = 4
+    pretrained_recovery: RecoveryConfig | None = None
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        from tasks.compression.registry import PRETRAINED_MODELS
+
+        require(len(self.settings) > 0, "settings", "needs at least one setting")
+        PRUNERS.validate_section(self.settings, self.enabled)
+        missing = [n for n in self.pretrained_settings if n not in self.settings]
+        require(not missing, "pretrained_settings", f"names settings that are not defined: {missing}")
+        unknown = [p for p in self.pretrained if p not in PRETRAINED_MODELS]
+        require(not unknown, "pretrained", f"unknown pretrained model(s) {unknown}; known: {list(PRETRAINED_MODELS)}")
+        for key in ("calib_tokens", "pretrained_calib_tokens"):
+            require(getattr(self, key) >= 2, key, f"must be >= 2, got {getattr(self, key)}")
+        for key in ("eval_tokens", "pretrained_eval_tokens", "pretrained_seq_len"):
+            require(getattr(self, key) >= 2, key, f"must be >= 2, got {getattr(self, key)}")
+        require(self.seq_len is None or self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.pretrained_batch_size >= 1, "pretrained_batch_size", f"must be >= 1, got {self.pretrained_batch_size}")
+        require(len(set(self.models)) == len(self.models), "models", f"has duplicates: {list(self.models)}")
+        require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0 = torch's default), got {self.num_threads}")
+
+    def methods(self, pretrained: bool = False) -> dict[str, tuple[str, MethodSpec]]:
+        """The settings to run as ``{setting: (method, cfg)}`` (on pretrained models: ``pretrained_settings``)."""
+        parsed = PRUNERS.parse_settings(self.settings, prefix="pruning.settings")
+        names = (self.pretrained_settings if pretrained else ()) or self.enabled or tuple(parsed)
+        return {n: parsed[n] for n in names}
+
+
+def prune(model: nn.Module, cfg: MethodSpec, *, calib_tokens: np.ndarray | torch.Tensor | None) -> Any:
+    """Run pruning method ``cfg.method`` on ``model`` (left unchanged); the result has ``.model`` and ``.meta()``."""
+    return PRUNERS.get(cfg.method).fn(model, cfg, calib_tokens=calib_tokens)
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Weights that multiply activations per token: every ``nn.Linear`` (the output head included, once
+    when tied), not the embedding lookup."""
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            total += m.weight.numel()
+    return total
+
+
+def forward_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Forward FLOPs per token at context ``seq_len``: ``2 * matmul_params + 4 * L_attn * seq_len * d_attn``.
+
+    The forward third of the training convention in params/training.yaml (PaLM's ``6N + 12 L T d``),
+    with ``L_attn`` the attention blocks still present (a removed attention sub-block costs nothing)
+    and ``d_attn`` each one's query width (``o_proj``'s input features).
+    """
+    attn = 0
+    for m in model.modules():
+        o_proj = getattr(m, "o_proj", None)
+        if isinstance(o_proj, nn.Linear):
+            attn += o_proj.in_features
+    return float(2 * matmul_params(model) + 4 * seq_len * attn)
+
+
+def n_params(model: nn.Module) -> int:
+    """Distinct parameters (tied tensors counted once)."""
+    return int(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
+
+
+class CachedTeacher(nn.Module):
+    """The teacher's logits per distinct batch, computed once: every recovery run from the same seed
+    sees the same batches, so the second loss pays no teacher forward."""
+
+    def __init__(self, teacher: nn.Module) -> None:
+        super().__init__()
+        self.teacher = teacher
+        self.cache: dict[tuple, torch.Tensor] = {}
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        key = (tuple(input_ids.shape), input_ids.cpu().numpy().tobytes())
+        if key not in self.cache:
+            with torch.no_grad():
+                self.cache[key] = self.teacher(input_ids=input_ids, use_cache=False).logits
+        return _Logits(self.cache[key])
+
+
+@dataclass
+class _Logits:
+    logits: torch.Tensor
+
+
+def prune_rows(
+    model: nn.Module, *, settings: dict[str, tuple[str, MethodSpec]], recovery: RecoveryConfig,
+    calib: np.ndarray, train: np.ndarray, val: np.ndarray, seq_len: int, batch_size: int, eval_tokens: int,
+    base_row: dict[str, Any], log: Callable[[str, dict[str, Any], dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every setting on ``model``: the dense row, then per setting the pruned row and one row per recovery loss.
+
+    ``calib``: training tokens the methods score on; ``train``: the recovery tokens (disjoint from
+    ``calib``); ``val``: validation tokens, of which the first ``eval_tokens`` are scored in windows
+    of ``seq_len``. ``log(setting, params, metrics)`` is called once per row (the stage's MLflow run).
+    """
+
+    def ppl(m: nn.Module) -> float:
+        return math.exp(evaluate_loss(m, val, seq_len, batch_size, max_tokens=eval_tokens))
+
+    dense_params = n_params(model)
+    dense = {"setting": "dense", "method": "dense", "granularity": None, "removed": "", "removed_fraction": 0.0,
+             "recovery_loss": "none", "data_select": "none", "recovery_steps": 0, "recovery_tokens": 0,
+             "ppl": ppl(model), "params": dense_params, "flops_per_token": forward_flops_per_token(model, seq_len),
+             "seconds": 0.0}
+    rows = [base_row | dense]
+    if log:
+        log("dense", base_row | {"method": "dense"}, dense)
+    windows = token_windows(np.asarray(train), recovery.seq_len)
+    teacher = CachedTeacher(model)
+    for setting, (method, cfg) in settings.items():
+        t = time.perf_counter()
+        result = prune(model, cfg, calib_tokens=calib)
+        meta = result.meta()
+        pruned = result.model.eval()
+        params = n_params(pruned)
+        row = base_row | {"setting": setting, "method": method, "granularity": meta.get("granularity"),
+                          "removed": " ".join(map(str, meta.get("removed", []))),
+                          "removed_fraction": 1.0 - params / dense_params, "params": params,
+                          "flops_per_token": forward_flops_per_token(pruned, seq_len)}
+        first = {"recovery_loss": "none", "data_select": "none", "recovery_steps": 0, "recovery_tokens": 0,
+                 "ppl": ppl(pruned), "seconds": round(time.perf_counter() - t, 2)}
+        rows.append(row | first)
+        if log:
+            log(setting, row | {"config": to_dict(cfg)}, first)
+        for loss in recovery.losses:
+            t = time.perf_counter()
+            student = copy.deepcopy(pruned)
+            if not recovery.train_embeddings:
+                student.get_input_embeddings().weight.requires_grad_(False)
+                student.get_output_embeddings().weight.requires_grad_(False)
+            curve = recover(student, teacher, windows, recovery.distill(loss))
+            rec = {"recovery_loss": loss, "data_select": "random", "recovery_steps": recovery.steps,
+                   "recovery_tokens": curve.tokens, "ppl": ppl(student.eval()),
+                   "distill_loss_first": curve.losses[0], "distill_loss_last": curve.losses[-1],
+                   "seconds": round(time.perf_counter() - t, 2)}
+            rows.append(row | rec)
+            if log:
+                log(f"{setting}+{loss}", row | {"recovery": to_dict(recovery)}, rec)
+            del student
+        del result, pruned
+    return rows
+
+
+def largest_per_variant(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run with the most parameters of each variant (ties: the most tokens), in variant order."""
+    best: dict[str, dict[str, Any]] = {}
+    for m in models:
+        cur = best.get(m["variant"])
+        if cur is None or (m["n_params"], m.get("tokens") or 0) > (cur["n_params"], cur.get("tokens") or 0):
+            best[m["variant"]] = m
+    return list(best.values())
+

@@ -1,0 +1,117 @@
+"""tasks.compression.pruning: the prune stage's config, FLOPs accounting and per-model rows."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.common.config import ConfigError, from_mapping
+from tasks.compression.block_pruning import EntroDropConfig, remove_blocks
+from tasks.compression.pruning import (
+    CachedTeacher,
+    PruningConfig,
+    RecoveryConfig,
+    forward_flops_per_token,
+    largest_per_variant,
+    matmul_params,
+    prune,
+    prune_rows,
+)
+from tests.tasks.compression.test_block_pruning import VOCAB, tiny_llama, with_identity
+
+
+def tokens(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, n).astype(np.int64)
+
+
+SETTINGS = {"e": {"method": "entrodrop", "n_remove": 1, "seq_len": 32, "calib_windows": 2, "phase": "all"},
+            "c": {"method": "cosine_drop", "n_remove": 1, "seq_len": 32, "calib_windows": 2}}
+
+
+def test_config_checks_settings_and_recovery_keys():
+    cfg = from_mapping(PruningConfig, {"settings": SETTINGS, "recovery": {"losses": ["csd", "kl"], "steps": 2}},
+                       source="params/pruning.yaml", prefix="pruning")
+    assert list(cfg.methods()) == ["e", "c"]
+    assert cfg.recovery.distill("csd").weighting == "mode_seeking"
+    assert cfg.recovery.distill("csd_cover").weighting == "mode_covering"
+    with pytest.raises(ConfigError, match=r"params/pruning.yaml: pruning.recovery.losses.*unknown loss"):
+        from_mapping(PruningConfig, {"settings": SETTINGS, "recovery": {"losses": ["mse"]}},
+                     source="params/pruning.yaml", prefix="pruning")
+    with pytest.raises(ConfigError, match=r"unknown pruning method 'svd'"):
+        from_mapping(PruningConfig, {"settings": {"x": {"method": "svd"}}}, source="params/pruning.yaml", prefix="pruning")
+    with pytest.raises(ConfigError, match=r"pruning.enabled.*not defined"):
+        from_mapping(PruningConfig, {"settings": SETTINGS, "enabled": ["nope"]}, source="params/pruning.yaml",
+                     prefix="pruning")
+    with pytest.raises(ConfigError, match=r"pruning.settings.e.n_remove.*>= 1"):
+        from_mapping(PruningConfig, {"settings": {"e": {"method": "entrodrop", "n_remove": 0}}},
+                     source="params/pruning.yaml", prefix="pruning")
+
+
+def test_pretrained_settings_default_to_the_enabled_ones():
+    cfg = PruningConfig(settings=SETTINGS, enabled=("c",))
+    assert list(cfg.methods(pretrained=True)) == ["c"]
+    assert list(PruningConfig(settings=SETTINGS, pretrained_settings=("e",)).methods(pretrained=True)) == ["e"]
+
+
+def test_flops_count_every_linear_and_the_attention_that_is_left():
+    model = tiny_llama(4)
+    # 4 layers x (q,k,v,o: 64*64 + 64*32*2 + 64*64, gate/up/down: 3*64*128) + head 64*256
+    per_layer = 64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 128
+    assert matmul_params(model) == 4 * per_layer + 64 * VOCAB
+    assert forward_flops_per_token(model, 100) == 2 * matmul_params(model) + 4 * 100 * 4 * 64
+    attn_removed = copy.deepcopy(model)
+    remove_blocks(attn_removed, [1], "attention")
+    assert forward_flops_per_token(attn_removed, 100) == 2 * matmul_params(attn_removed) + 4 * 100 * 3 * 64
+    assert matmul_params(attn_removed) == matmul_params(model) - (64 * 64 * 2 + 2 * 64 * 32)
+
+
+def test_registered_pruners_run_through_prune():
+    model = with_identity(tiny_llama(4), 2)
+    result = prune(model, EntroDropConfig(n_remove=1, seq_len=32, calib_windows=2, phase="all"), calib_tokens=tokens(256, 1))
+    assert result.meta()["removed"] == [2]
+    assert len(result.model.model.layers) == 3 and len(model.model.layers) == 4
+
+
+def test_cached_teacher_runs_the_teacher_once_per_batch():
+    model = tiny_llama(2)
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    teacher = CachedTeacher(model)
+    x = torch.as_tensor(tokens(32, 2)).view(2, 16)
+    a, b = teacher(input_ids=x).logits, teacher(input_ids=x).logits
+    assert len(calls) == 1 and torch.equal(a, b)
+    teacher(input_ids=x[:1])
+    assert len(calls) == 2
+
+
+def test_prune_rows_dense_pruned_and_recovered():
+    model = with_identity(tiny_llama(4), 2)
+    cfg = PruningConfig(settings=SETTINGS, recovery=RecoveryConfig(losses=("csd", "kl"), steps=2, batch_size=2,
+                                                                   seq_len=32, tokens=512, lr=1e-3))
+    logged = []
+    rows = prune_rows(model, settings=cfg.methods(), recovery=cfg.recovery, calib=tokens(256, 1), train=tokens(512, 3),
+                      val=tokens(513, 4), seq_len=32, batch_size=4, eval_tokens=512, base_row={"model": "tiny"},
+                      log=lambda s, p, m: logged.append(s))
+    assert [(r["setting"], r["recovery_loss"]) for r in rows] == [
+        ("dense", "none"), ("e", "none"), ("e", "csd"), ("e", "kl"), ("c", "none"), ("c", "csd"), ("c", "kl")]
+    assert logged == ["dense", "e", "e+csd", "e+kl", "c", "c+csd", "c+kl"]
+    dense, pruned = rows[0], rows[1]
+    assert dense["removed_fraction"] == 0 and dense["params"] > pruned["params"]
+    assert pruned["removed"] == "2"  # the identity layer
+    assert pruned["removed_fraction"] == pytest.approx(1 - pruned["params"] / dense["params"])
+    assert pruned["flops_per_token"] < dense["flops_per_token"]
+    # removing an exact identity layer changes no logit
+    assert pruned["ppl"] == pytest.approx(dense["ppl"], rel=1e-5)
+    for r in rows[2:4]:
+        assert r["recovery_tokens"] == 2 * 2 * 32 and r["data_select"] == "random" and np.isfinite(r["ppl"])
+    assert all(r["model"] == "tiny" for r in rows)
+    assert len(model.model.layers) == 4  # the input model is left unchanged
+
+
+def test_largest_per_variant():
+    rows = [{"variant": "raw", "run": "a", "n_params": 10, "tokens": 5}, {"variant": "raw", "run": "b", "n_params": 20, "tokens": 1},
+            {"variant": "raw", "run": "c", "n_params": 20, "tokens": 9}, {"variant": "dedup", "run": "d", "n_params": 3, "tokens": 1}]
+    assert [r["run"] for r in largest_per_variant(rows)] == ["c", "d"]
