@@ -44,27 +44,11 @@ from tasks.compression.block_pruning import (  # noqa: E402
     prune_by_scores,
 )
 from tasks.compression.distill import DistillConfig, recover, token_windows  # noqa: E402
+from tasks.compression.pruning import RECOVERY_LOSSES, CachedTeacher  # noqa: E402
 from tasks.evaluation.loss import evaluate_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-LOSSES = {"csd": ("csd", "mode_seeking"), "csd_cover": ("csd", "mode_covering"), "kl": ("kl", "mode_seeking"),
-          "dld": ("dld", "mode_seeking")}
-
-
-class CachedTeacher(nn.Module):
-    """The teacher's logits per distinct batch, computed once: every recovery run sees the same batches."""
-
-    def __init__(self, teacher: nn.Module) -> None:
-        super().__init__()
-        self.teacher = teacher
-        self.cache: dict[tuple, torch.Tensor] = {}
-
-    def forward(self, input_ids: torch.Tensor, **kwargs):
-        key = (tuple(input_ids.shape), input_ids.cpu().numpy().tobytes())
-        if key not in self.cache:
-            with torch.no_grad():
-                self.cache[key] = self.teacher(input_ids=input_ids, use_cache=False).logits
-        return dataclasses.make_dataclass("Out", ["logits"])(self.cache[key])
+LOSSES = RECOVERY_LOSSES
 
 
 def goals(rows: list[dict]) -> list[str]:
