@@ -7,6 +7,7 @@
     scalelab eval tasks --model smollm2 --tasks arc_easy,piqa --limit 50 --out eval/
     scalelab microbench --matrix correctness.csv --sizes 10,25,50,100,250 --out mb/
     scalelab check-params                   # load every params file under every preset
+    scalelab report [--workdir DIR]         # what a finished workdir found (rewrites reports/summary.md)
     scalelab serve                          # scheduled deployments on this machine
 """
 
@@ -89,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     mb.add_argument("--out", required=True, type=Path)
     mb.add_argument("--root", default=".")
 
+    rep = sub.add_parser("report", help="what a finished workdir found: laws, winners, compression, sparsity, "
+                         "downstream (rich tables; also rewrites reports/summary.md)")
+    rep.add_argument("--workdir", help="the workdir to summarise (default: --root)")
+    rep.add_argument("--root", default=".")
+
     chk = sub.add_parser("check-params", help="load every params file under every preset")
     chk.add_argument("--root", default=".")
 
@@ -100,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     root = Path(args.root).resolve()
+    if args.command == "report":  # reads a workdir; creates nothing, starts no Prefect or MLflow
+        return _report(Path(args.workdir or root))
     from flows.runtime import WorkdirError, ensure_workdir
 
     if args.command == "run":
@@ -179,9 +187,32 @@ def _run(args: argparse.Namespace, root: Path) -> int:
             pipeline_flow(**kwargs)
         else:
             from flows.pipeline import STAGE_FLOWS
+            from tasks.common.summary import HEADLINE_STAGES, write_stage_metrics
 
             STAGE_FLOWS[args.stage](**kwargs, parent_run_id=ctx.parent.run_id if ctx.parent else None)
+            if args.stage in HEADLINE_STAGES:  # what dvc.yaml declares as the stage's metrics
+                write_stage_metrics(args.stage, ctx.layout.reports)
+    if args.stage == "all":
+        from tasks.common.summary import build_summary, load_reports, print_summary
+
+        print_summary(build_summary(load_reports(ctx.layout.reports)))
     return 0
+
+
+def _report(workdir: Path) -> int:
+    """Print the summary of ``workdir`` and rewrite its reports/summary.md; 2 when files are missing
+    (what exists is still summarised) or the workdir has no reports."""
+    from tasks.common.summary import print_summary, write_summary
+
+    try:
+        summary, _ = write_summary(workdir / "reports")
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"scalelab: error: {exc}", file=sys.stderr)
+        return 2
+    print_summary(summary)
+    for line in summary.missing:
+        print(f"scalelab: error: incomplete workdir: {line}", file=sys.stderr)
+    return 2 if summary.missing else 0
 
 
 def _curate(args: argparse.Namespace, root: Path) -> int:

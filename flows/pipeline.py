@@ -6,7 +6,10 @@ One MLflow parent run per pipeline run; each stage is a child, each model a gran
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import flow
+from prefect.artifacts import create_markdown_artifact
 
 from flows.compress import compress_flow
 from flows.curate import curate_flow
@@ -18,6 +21,7 @@ from flows.sparse_eval import sparse_eval_flow
 from flows.stage import stage_context
 from flows.train import train_flow
 from flows.runtime import claim_workdir
+from tasks.common.summary import HEADLINE_STAGES, summary_markdown, write_stage_metrics, write_summary
 from tasks.common.tracking import REPLACES, tracked_run
 
 STAGE_FLOWS = {
@@ -62,4 +66,17 @@ def pipeline_flow(
                 root=str(ctx.root), preset=ctx.preset, workdir=str(ctx.workdir),
                 runner=ctx.pipeline.runner, parent_run_id=run.run_id,
             )
-    return {"parent_run_id": run.run_id, "stages": chosen}
+            if name in HEADLINE_STAGES:
+                write_stage_metrics(name, ctx.layout.reports)
+        summary_path = publish_summary(ctx.layout.reports)
+        run.log_artifact(summary_path, "reports")
+    return {"parent_run_id": run.run_id, "stages": chosen, "summary": str(summary_path)}
+
+
+def publish_summary(reports: Path) -> Path:
+    """Write reports/summary.md (what the run found, :mod:`tasks.common.summary`) and publish it as
+    the pipeline run's Prefect markdown artifact (plots named, not embedded: the UI cannot reach them)."""
+    summary, path = write_summary(reports)
+    create_markdown_artifact(key="pipeline-summary", markdown=summary_markdown(summary, images=False),
+                             description=f"What the pipeline found ({path})")
+    return path

@@ -1,0 +1,652 @@
+"""What a finished workdir found, said plainly: the findings summary and DVC's headline metrics.
+
+``load_reports(reports_dir)`` reads what the stages wrote under ``reports/`` and lists what is
+missing (never guessed, never 0); ``build_summary`` turns it into a few short tables; the summary
+is shown by ``summary_markdown`` (``reports/summary.md``, the Prefect artifact) and
+``print_summary`` (rich tables in a terminal). ``stage_metrics`` gives each stage's headline
+numbers, one small JSON per variant or setting under ``reports/metrics/<stage>/``: ``dvc metrics
+show`` prints one row per file and one column per key, so rows sharing keys keep its lines short
+however many variants a preset trains.
+
+    >>> reports = load_reports(Path("reports"))
+    >>> print(summary_markdown(build_summary(reports)))
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+# What each stage writes that the summary reads, and the command that writes it.
+REPORT_FILES: dict[str, str] = {
+    "prepare.json": "prepare",
+    "curation.csv": "curate",
+    "train.csv": "train",
+    "compress.csv": "compress",
+    "sparse_eval.csv": "sparse_eval",
+    "downstream.csv": "evaluate",
+    "fits.json": "fit",
+    "compute_optimal.csv": "fit",
+}
+# Optional extras: read when present, never reported missing.
+OPTIONAL_FILES = ("downstream_comparisons.csv",)
+# Columns the summary needs from each CSV (a file without one is refused, naming it).
+REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
+    "curation.csv": ("variant", "docs_in", "docs_kept", "tokens_kept"),
+    "train.csv": ("variant", "run", "val_loss"),
+    "compress.csv": ("variant", "run", "setting", "bits_per_weight", "delta_val_loss"),
+    "sparse_eval.csv": ("variant", "run", "setting", "sparsity", "achieved_sparsity", "delta_val_loss"),
+    "downstream.csv": ("model", "method", "task", "acc", "acc_ci_low", "acc_ci_high"),
+    "compute_optimal.csv": ("variant", "C", "N_opt", "D_opt", "tokens_per_param", "tokens_per_param_ci_low",
+                            "tokens_per_param_ci_high", "loss_pred", "inside_measured_range"),
+    "downstream_comparisons.csv": ("verdict",),
+}
+LAW_PARAMS = ("E", "alpha", "beta")
+# compress.csv rows of the pretrained model (SmolLM2) carry this variant
+PRETRAINED = "pretrained"
+
+
+@dataclass
+class Reports:
+    """The files of one ``reports/`` folder: CSVs as frames, JSONs as dicts, what is missing."""
+
+    folder: Path
+    tables: dict[str, pl.DataFrame] = field(default_factory=dict)
+    json: dict[str, Any] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+
+    def table(self, name: str) -> pl.DataFrame | None:
+        return self.tables.get(name)
+
+    def missing_lines(self) -> list[str]:
+        """One line per missing file naming it and the command that writes it."""
+        return [f"{self.folder / name} is missing (written by `scalelab run {REPORT_FILES[name]}`)"
+                for name in self.missing]
+
+
+def load_reports(folder: str | Path) -> Reports:
+    """Read every file of :data:`REPORT_FILES` that exists under ``folder``.
+
+    Raises ``FileNotFoundError`` when ``folder`` itself is absent, ``ValueError`` naming the file
+    (and column or key) when a file exists but cannot be read or lacks what the summary needs.
+    Missing files are listed in ``Reports.missing`` (a CSV a stage wrote with no rows is present
+    and empty).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no reports folder; run `scalelab run all` (or `dvc repro`) in this "
+                                f"workdir first")
+    out = Reports(folder=folder)
+    for name in (*REPORT_FILES, *OPTIONAL_FILES):
+        path = folder / name
+        if not path.exists():
+            if name in REPORT_FILES:
+                out.missing.append(name)
+            continue
+        if name.endswith(".json"):
+            try:
+                out.json[name] = json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{path}: not readable JSON ({exc})") from None
+            continue
+        out.tables[name] = _read_csv(path, REQUIRED_COLUMNS.get(name, ()))
+    if "fits.json" in out.json:
+        _check_fits(out.json["fits.json"], folder / "fits.json")
+    return out
+
+
+def _read_csv(path: Path, required: Sequence[str]) -> pl.DataFrame:
+    if path.stat().st_size == 0:  # a stage with nothing to write (e.g. no compression setting)
+        return pl.DataFrame()
+    try:
+        frame = pl.read_csv(path, infer_schema_length=None)
+    except (pl.exceptions.PolarsError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable CSV ({exc})") from None
+    if frame.height:
+        missing = [c for c in required if c not in frame.columns]
+        if missing:
+            raise ValueError(f"{path}: missing column {missing[0]!r} (has {', '.join(frame.columns)})")
+    return frame
+
+
+def _check_fits(fits: Any, path: Path) -> None:
+    if not isinstance(fits, dict) or not isinstance(fits.get("variants"), dict):
+        raise ValueError(f"{path}: no 'variants' object (not a fits.json written by `scalelab run fit`)")
+    for name, entry in fits["variants"].items():
+        if not isinstance(entry, dict) or "identified" not in entry:
+            raise ValueError(f"{path}: variants.{name}: no 'identified' key")
+        for p in LAW_PARAMS:
+            if p in entry and not (isinstance(entry[p], dict) and "value" in entry[p]):
+                raise ValueError(f"{path}: variants.{name}.{p}: expected {{value, ci_low, ci_high}}")
+
+
+# --------------------------------------------------------------------------- the summary
+
+
+@dataclass
+class Section:
+    """One part of the summary: a table (strings, already formatted), notes and the plots it refers to
+    (paths relative to ``reports/``)."""
+
+    title: str
+    columns: list[str] = field(default_factory=list)
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Summary:
+    folder: Path
+    headline: list[str]
+    sections: list[Section]
+    missing: list[str]
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return f"{float(x):.{digits}g}"
+
+
+def _ci(value: Any, lo: Any, hi: Any, digits: int = 3) -> str:
+    if lo is None and hi is None:
+        return _fmt(value, digits)
+    return f"{_fmt(value, digits)} [{_fmt(lo, digits)}, {_fmt(hi, digits)}]"
+
+
+def _delta(x: float | None) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:+.3g}"
+
+
+def trained_series(reports: Reports) -> list[str]:
+    """The series trained on the ladder (data variants and e.g. ``raw+repb``): train.csv's variants,
+    else the fitted laws whose names have no '+' (compressed and sparse series are ``<variant>+<setting>``)."""
+    train = reports.table("train.csv")
+    if train is not None and train.height:
+        return sorted(set(train["variant"].cast(pl.String).to_list()))
+    fits = reports.json.get("fits.json", {}).get("variants", {})
+    return sorted(n for n in fits if "+" not in n)
+
+
+def _file_safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+
+
+def _existing(reports: Reports, names: Iterable[str]) -> list[str]:
+    return [n for n in names if (reports.folder / n).exists()]
+
+
+def _best_runs(train: pl.DataFrame) -> dict[str, dict]:
+    """Per variant its lowest finite val loss and the run that reached it."""
+    ok = train.filter(pl.col("val_loss").cast(pl.Float64).is_finite())
+    if "diverged" in ok.columns:
+        ok = ok.filter(~pl.col("diverged").cast(pl.String).str.to_lowercase().is_in(["true", "1"]).fill_null(False))
+    best = ok.sort("val_loss").group_by("variant", maintain_order=True).first()
+    return {r["variant"]: r for r in best.to_dicts()}
+
+
+def law_section(reports: Reports) -> tuple[Section, list[str]]:
+    fits = reports.json["fits.json"]
+    series = [s for s in trained_series(reports) if s in fits["variants"]]
+    best = _best_runs(reports.tables["train.csv"]) if "train.csv" in reports.tables else {}
+    sec = Section("Scaling laws  L(N, D) = E + A/N^α + B/D^β  (95% bootstrap intervals)",
+                  ["series", "runs", "E", "α", "β", "best val loss", "identified"])
+    headline = []
+    identified = []
+    for name in series:
+        e = fits["variants"][name]
+        if "alpha" not in e:
+            sec.rows.append([name, _fmt(e.get("n_points")), "—", "—", "—", _fmt(best.get(name, {}).get("val_loss")),
+                             "not fitted"])
+        else:
+            sec.rows.append([name, _fmt(e.get("n_points")),
+                             *(_ci(e[p]["value"], e[p].get("ci_low"), e[p].get("ci_high")) for p in LAW_PARAMS),
+                             _fmt(best.get(name, {}).get("val_loss"), 4), "yes" if e["identified"] else "no"])
+        if e["identified"]:
+            identified.append(name)
+        else:
+            sec.notes.append(f"{name} not identified: " + "; ".join(e.get("identification_reasons") or ["no reason recorded"]))
+    derived = [n for n in fits["variants"] if n not in series]
+    if derived:
+        k = sum(bool(fits["variants"][n].get("identified")) for n in derived)
+        sec.notes.append(f"{len(derived)} further laws for compressed / sparse series ({k} identified) are in fits.json.")
+    sec.plots = _existing(reports, [f"plots/loss_vs_compute_{_file_safe(n)}.png" for n in series])
+    headline.append(f"Laws: {len(identified)} of {len(series)} identified"
+                    + (f" ({', '.join(identified)})." if identified else
+                       " — the ladder cannot pin α and β down; read the laws as descriptions, not predictions."))
+    return sec, headline
+
+
+def winner_section(reports: Reports) -> tuple[Section, list[str]]:
+    """Who wins at the largest budget: by the laws (only between identified laws, with the bootstrap
+    interval of the difference and Holm's p) and as observed on the ladder's largest budget."""
+    sec = Section("Which series wins at the largest budget", ["comparison", "C (FLOPs)", "Δ loss x − y [95% CI]",
+                                                               "Holm p", "verdict"])
+    headline: list[str] = []
+    fits = reports.json.get("fits.json")
+    series = set(trained_series(reports))
+    if fits is not None:
+        for cmp in fits.get("comparisons", []):
+            if cmp["x"] not in series or cmp["y"] not in series:
+                continue
+            tested = [j for j, (ins, p) in enumerate(zip(cmp["inside_measured_range"], cmp["p_holm"]))
+                      if ins and p is not None]
+            if not tested:
+                continue
+            j = tested[-1]
+            verdict = cmp["better"][j] + " better" if cmp["better"][j] else "not distinguishable"
+            sec.rows.append([f"{cmp['x']} vs {cmp['y']}", _fmt(cmp["compute"][j]),
+                             f"{_delta(cmp['diff'][j])} [{_delta(cmp['diff_ci_low'][j])}, {_delta(cmp['diff_ci_high'][j])}]",
+                             _fmt(cmp["p_holm"][j]), verdict])
+            winner = cmp["better"][j]
+            if winner:
+                loser = cmp["y"] if winner == cmp["x"] else cmp["x"]
+                d = abs(cmp["diff"][j])
+                lo, hi = sorted(abs(v) for v in (cmp["diff_ci_low"][j], cmp["diff_ci_high"][j]))
+                headline.append(f"By the laws at C = {_fmt(cmp['compute'][j])}: {winner} beats {loser} by "
+                                f"{d:.3g} loss [{lo:.3g}, {hi:.3g}] (Holm p = {_fmt(cmp['p_holm'][j])}).")
+        skipped = [c for c in fits.get("comparisons_skipped", []) if c["x"] in series and c["y"] in series]
+        if not sec.rows:
+            sec.columns, sec.rows = [], []
+            unidentified = sorted({v for c in skipped for v in (c["x"], c["y"])
+                                   if not reports.json["fits.json"]["variants"].get(v, {}).get("identified")})
+            why = (f" {len(skipped)} pair(s) skipped (fits.json comparisons_skipped): {', '.join(unidentified)} "
+                   f"not identified.") if skipped else ""
+            sec.notes.append("No comparison by the laws: only identified laws are compared." + why)
+            headline.append("By the laws: no comparison (only identified laws are compared).")
+        sec.plots = _existing(reports, ["plots/frontier.png"] + [
+            f"plots/compare_{_file_safe(c['x'])}__{_file_safe(c['y'])}.png" for c in fits.get("comparisons", [])
+            if c["x"] in series and c["y"] in series])
+    train = reports.table("train.csv")
+    if train is not None and train.height:
+        obs = observed_at_largest_budget(train)
+        if obs:
+            budget, rows = obs
+            sec.notes.append(f"Observed at the largest budget ({budget}), one run per point so no interval: "
+                             + ", ".join(f"{r['variant']} {r['val_loss']:.4f} ({r['run']})" for r in rows) + ".")
+            if len(rows) > 1:
+                headline.append(f"Observed at the largest budget ({budget}): {rows[0]['variant']} has the lowest "
+                                f"loss, {rows[1]['val_loss'] - rows[0]['val_loss']:.3g} below {rows[1]['variant']} "
+                                f"(single runs: no interval).")
+    return sec, headline
+
+
+def observed_at_largest_budget(train: pl.DataFrame) -> tuple[str, list[dict]] | None:
+    """Each series' best run at the ladder's largest compute budget, best first.
+
+    IsoFLOP ladders name their budget (``compute_budget``); grid ladders (no budget) share the same
+    (N, D) points across series, so the largest is the point with the most training FLOPs
+    (``flops_total``, else 6ND).
+    """
+    best = train.filter(pl.col("val_loss").cast(pl.Float64).is_finite())
+    if "diverged" in best.columns:
+        best = best.filter(~pl.col("diverged").cast(pl.String).str.to_lowercase().is_in(["true", "1"]).fill_null(False))
+    if not best.height:
+        return None
+    if "compute_budget" in best.columns and best["compute_budget"].cast(pl.Float64).drop_nulls().len():
+        top = best["compute_budget"].cast(pl.Float64).max()
+        at = best.filter(pl.col("compute_budget").cast(pl.Float64) == top)
+        label = f"C = {_fmt(top)} FLOPs"
+    else:
+        c = (pl.col("flops_total").cast(pl.Float64) if "flops_total" in best.columns
+             else 6.0 * pl.col("n_params").cast(pl.Float64) * pl.col("tokens").cast(pl.Float64))
+        best = best.with_columns(c.alias("_C"))
+        # per series its own largest run: the same grid point when series share the grid
+        at = best.sort("_C", descending=True).group_by("variant", maintain_order=True).first()
+        label = "largest grid point, C ≈ " + _fmt(float(at["_C"].max())) + " FLOPs"
+    rows = at.sort("val_loss").group_by("variant", maintain_order=True).first().sort("val_loss")
+    return label, rows.select("variant", "run", pl.col("val_loss").cast(pl.Float64)).to_dicts()
+
+
+def compute_optimal_section(reports: Reports) -> tuple[Section, list[str]]:
+    co = reports.tables["compute_optimal.csv"]
+    fits = reports.json.get("fits.json", {}).get("variants", {})
+    series = trained_series(reports)
+    sec = Section("Compute-optimal allocation (from each law; 95% bootstrap intervals)",
+                  ["series", "C (FLOPs)", "N*", "D*", "tokens / parameter", "loss", "identified"])
+    headline = []
+    for name in series:
+        sub = co.filter(pl.col("variant") == name) if co.height else co
+        if not sub.height:
+            continue
+        inside = sub.filter(pl.col("inside_measured_range").cast(pl.String).str.to_lowercase() == "true")
+        row = (inside if inside.height else sub).sort("C").tail(1).to_dicts()[0]
+        where = "" if inside.height else " (extrapolated)"
+        sec.rows.append([name, _fmt(row["C"]) + where, _fmt(row["N_opt"]), _fmt(row["D_opt"]),
+                         _ci(row["tokens_per_param"], row["tokens_per_param_ci_low"], row["tokens_per_param_ci_high"]),
+                         _ci(row["loss_pred"], row.get("loss_pred_ci_low"), row.get("loss_pred_ci_high"), 4),
+                         "yes" if fits.get(name, {}).get("identified") else "no"])
+        if fits.get(name, {}).get("identified"):
+            headline.append(f"{name} {_fmt(row['tokens_per_param'])} tokens per parameter "
+                            f"[{_fmt(row['tokens_per_param_ci_low'])}, {_fmt(row['tokens_per_param_ci_high'])}] "
+                            f"at C = {_fmt(row['C'])}{where}")
+        else:
+            headline.append(f"{name} not identified (its interval, [{_fmt(row['tokens_per_param_ci_low'])}, "
+                            f"{_fmt(row['tokens_per_param_ci_high'])}] tokens per parameter, says nothing yet)")
+    for name in series:
+        levels = [lv for lv in fits.get(name, {}).get("isoflop", {}).get("levels", [])
+                  if lv.get("used") and lv.get("N_opt") and lv.get("D_opt")]
+        if levels:
+            lv = max(levels, key=lambda lv: lv["C"])
+            sec.notes.append(f"{name}, IsoFLOP minimum measured at C = {_fmt(lv['C'])} (a parabola through the "
+                             f"ladder, no law): N* = {_fmt(lv['N_opt'])}, {_fmt(lv['D_opt'] / lv['N_opt'])} tokens "
+                             f"per parameter.")
+    sec.plots = _existing(reports, [f"plots/isoflop_{_file_safe(n)}.png" for n in series])
+    sec.notes.append("At the largest compute budget of fit.compute_budgets inside the ladder's measured range; "
+                     "Chinchilla's is ~20 tokens per parameter. Intervals of laws that are not identified are wide.")
+    return sec, (["Compute-optimal: " + "; ".join(headline) + "."] if headline else [])
+
+
+def _median(s: pl.Series) -> float | None:
+    s = s.cast(pl.Float64).drop_nulls()
+    s = s.filter(s.is_finite())
+    return float(s.median()) if s.len() else None
+
+
+def compression_table(compress: pl.DataFrame) -> pl.DataFrame:
+    """Per (group, setting): median measured bits per weight, median/min/max rise in val loss over the
+    models, and ``frontier``: no other setting of the group is as small or smaller with a lower median
+    rise (the settings worth using at their width). ``group`` is ``ladder`` or ``pretrained``."""
+    f = compress.with_columns(
+        pl.when(pl.col("variant") == PRETRAINED).then(pl.lit("pretrained")).otherwise(pl.lit("ladder")).alias("group"),
+        pl.col("bits_per_weight").cast(pl.Float64), pl.col("delta_val_loss").cast(pl.Float64))
+    t = (f.group_by("group", "setting", maintain_order=True)
+         .agg(pl.col("bits_per_weight").median().alias("bits_per_weight"),
+              pl.col("delta_val_loss").median().alias("delta_median"),
+              pl.col("delta_val_loss").min().alias("delta_min"), pl.col("delta_val_loss").max().alias("delta_max"),
+              pl.len().alias("models"))
+         .sort("group", "bits_per_weight", "delta_median"))
+    frontier = []
+    for r in t.iter_rows(named=True):
+        rivals = t.filter((pl.col("group") == r["group"]) & (pl.col("bits_per_weight") <= r["bits_per_weight"])
+                          & (pl.col("delta_median") < r["delta_median"]))
+        frontier.append(rivals.height == 0)
+    return t.with_columns(pl.Series("frontier", frontier, pl.Boolean))
+
+
+def compression_section(reports: Reports) -> tuple[Section, list[str]]:
+    compress = reports.tables["compress.csv"]
+    sec = Section("Compression at equal bits per weight (rise in val loss over the dense model)",
+                  ["models", "setting", "bits / weight", "median Δ loss [min, max]", "n", "best at ≤ this width"])
+    if not compress.height:
+        sec.notes.append("compress.csv has no rows (no compression setting enabled).")
+        return sec, []
+    t = compression_table(compress)
+    for r in t.iter_rows(named=True):
+        sec.rows.append([r["group"], r["setting"], _fmt(r["bits_per_weight"]),
+                         f"{_delta(r['delta_median'])} [{_delta(r['delta_min'])}, {_delta(r['delta_max'])}]",
+                         _fmt(r["models"]), "✓" if r["frontier"] else ""])
+    front = t.filter(pl.col("frontier") & (pl.col("group") == "ladder"))
+    sec.notes.append("bits / weight is measured (codes, scales, zeros, codebooks, outliers): compare settings at "
+                     "equal bits / weight, not at equal nominal bits. ✓: no setting as small or smaller loses less.")
+    headline = []
+    if front.height:
+        headline.append("Compression (ladder, median over models): " + "; ".join(
+            f"{r['setting']} at {_fmt(r['bits_per_weight'])} bits/weight, Δ loss {_delta(r['delta_median'])}"
+            for r in front.iter_rows(named=True)) + " — the settings no smaller one beats.")
+    return sec, headline
+
+
+def sparse_section(reports: Reports) -> tuple[Section, list[str]]:
+    sparse = reports.tables["sparse_eval.csv"]
+    sec = Section("Sparse inference at equal sparsity (rise in val loss over the dense model)",
+                  ["level", "setting", "achieved", "median Δ loss [min, max]", "n", "best at this level"])
+    if not sparse.height:
+        sec.notes.append("sparse_eval.csv has no rows (no sparse setting enabled).")
+        return sec, []
+    f = sparse.with_columns(pl.col("sparsity").cast(pl.Float64), pl.col("achieved_sparsity").cast(pl.Float64),
+                            pl.col("delta_val_loss").cast(pl.Float64))
+    t = (f.group_by("sparsity", "setting", maintain_order=True)
+         .agg(pl.col("achieved_sparsity").median().alias("achieved"),
+              pl.col("delta_val_loss").median().alias("delta_median"),
+              pl.col("delta_val_loss").min().alias("delta_min"), pl.col("delta_val_loss").max().alias("delta_max"),
+              pl.len().alias("models"))
+         .sort("sparsity", "delta_median"))
+    best_lines = []
+    for (level,), g in t.group_by("sparsity", maintain_order=True):
+        for i, r in enumerate(g.iter_rows(named=True)):
+            sec.rows.append([_fmt(level), r["setting"], _fmt(r["achieved"]),
+                             f"{_delta(r['delta_median'])} [{_delta(r['delta_min'])}, {_delta(r['delta_max'])}]",
+                             _fmt(r["models"]), "✓" if i == 0 else ""])
+        top = g.row(0, named=True)
+        best_lines.append(f"{top['setting']} (Δ loss {_delta(top['delta_median'])})")
+    sec.notes.append("A level is the share skipped: weight reads for activation sparsity (TEAL, WINA), causal "
+                     "KV pairs for attention sparsity (QuoKA, ProxyAttn); `achieved` is what was measured.")
+    return sec, ["Sparse, best per level (median rise in loss): " + "; ".join(best_lines) + "."]
+
+
+def downstream_section(reports: Reports) -> tuple[Section, list[str]]:
+    down = reports.tables["downstream.csv"]
+    sec = Section("Downstream accuracy (uncompressed models; 95% Wilson intervals)",
+                  ["task", "best ladder model", "acc", "pretrained", "acc (pretrained)", "chance", "items"])
+    if not down.height:
+        sec.notes.append("downstream.csv has no rows.")
+        return sec, []
+    base = down.filter(pl.col("method").cast(pl.String) == "none")
+    ladder = base.filter(pl.col("family") == "ladder") if "family" in base.columns else base
+    other = base.filter(pl.col("family") != "ladder") if "family" in base.columns else base.clear()
+    headline = []
+    for (task,), g in ladder.group_by("task", maintain_order=True):
+        top = g.sort("acc", descending=True).row(0, named=True)
+        pre = other.filter(pl.col("task") == task).sort("acc", descending=True)
+        pre_row = pre.row(0, named=True) if pre.height else None
+        sec.rows.append([task, top["model"], _ci(top["acc"], top["acc_ci_low"], top["acc_ci_high"]),
+                         pre_row["model"] if pre_row else "—",
+                         _ci(pre_row["acc"], pre_row["acc_ci_low"], pre_row["acc_ci_high"]) if pre_row else "—",
+                         _fmt(top.get("chance")), _fmt(top.get("n_items"))])
+        headline.append(f"{task} {_fmt(top['acc'])}")
+    comps = reports.table("downstream_comparisons.csv")
+    if comps is not None and comps.height:
+        counts = comps["verdict"].value_counts(sort=True)
+        sec.notes.append("Compressed / sparse vs their base model, paired per item: " + ", ".join(
+            f"{r['count']} {r['verdict']}" for r in counts.iter_rows(named=True)) + " (downstream_comparisons.csv).")
+    return sec, (["Downstream, best ladder model per task: " + ", ".join(headline)
+                  + " (tiny models: compare with the chance column)."] if headline else [])
+
+
+def curation_section(reports: Reports) -> Section:
+    cur = reports.tables["curation.csv"]
+    sec = Section("Data variants", ["variant", "docs kept", "tokens kept", "val docs decontaminated"])
+    for r in cur.iter_rows(named=True):
+        sec.rows.append([r["variant"], f"{_fmt(r['docs_kept'])} of {_fmt(r['docs_in'])}", _fmt(r["tokens_kept"]),
+                         _fmt(r.get("val_decontaminated"))])
+    return sec
+
+
+def build_summary(reports: Reports) -> Summary:
+    """The sections that the files present allow, a few headline sentences, and what is missing."""
+    sections, headline = [], []
+    if "curation.csv" in reports.tables and reports.tables["curation.csv"].height:
+        sections.append(curation_section(reports))
+    present = set(reports.tables) | set(reports.json)
+    # (any of these files present -> the section)
+    for needs, make in ((("fits.json",), law_section), (("fits.json", "train.csv"), winner_section),
+                        (("compute_optimal.csv",), compute_optimal_section), (("compress.csv",), compression_section),
+                        (("sparse_eval.csv",), sparse_section), (("downstream.csv",), downstream_section)):
+        if present & set(needs):
+            sec, lines = make(reports)
+            sections.append(sec)
+            headline += lines
+    return Summary(folder=reports.folder, headline=headline, sections=sections, missing=reports.missing_lines())
+
+
+def summary_markdown(summary: Summary, *, images: bool = True) -> str:
+    """The summary as Markdown; ``images`` embeds the plots (paths relative to ``reports/``), else
+    names them (for places that cannot reach the files, such as a Prefect artifact)."""
+    out = ["# What this run found", ""]
+    if summary.missing:
+        out += ["**Incomplete workdir:**", "", *(f"- {m}" for m in summary.missing), ""]
+    out += [f"- {line}" for line in summary.headline] + [""]
+    for sec in summary.sections:
+        out += [f"## {sec.title}", ""]
+        if sec.rows:
+            out.append("| " + " | ".join(sec.columns) + " |")
+            out.append("|" + "|".join("---" for _ in sec.columns) + "|")
+            out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in sec.rows]
+            out.append("")
+        out += [f"- {n}" for n in sec.notes]
+        if sec.notes:
+            out.append("")
+        for p in sec.plots:
+            out.append(f"![{Path(p).stem}]({p})" if images else f"- plot: `reports/{p}`")
+        if sec.plots:
+            out.append("")
+    out.append(f"Files: `{summary.folder}` (fits.json, compute_optimal.csv, compress.csv, sparse_eval.csv, "
+               f"downstream.csv, train.csv); plots under `{summary.folder / 'plots'}`.")
+    return "\n".join(out) + "\n"
+
+
+def print_summary(summary: Summary, console: Any | None = None) -> None:
+    """The summary as rich tables on ``console`` (default: a new ``rich.console.Console``)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    console.rule("[bold]What this run found")
+    for line in summary.headline:
+        console.print(f"• {line}", highlight=False)
+    for sec in summary.sections:
+        console.print()
+        if sec.rows:
+            table = Table(title=sec.title, title_justify="left", show_lines=False)
+            for c in sec.columns:
+                table.add_column(c, overflow="fold")
+            for row in sec.rows:
+                table.add_row(*row)
+            console.print(table)
+        else:
+            console.print(f"[bold]{sec.title}")
+        for n in sec.notes:
+            console.print(f"  {n}", highlight=False)
+        if sec.plots:
+            console.print("  plots: " + ", ".join(str(summary.folder / p) for p in sec.plots), highlight=False)
+    for m in summary.missing:
+        console.print(f"[red]missing:[/red] {m}", highlight=False)
+    console.print(f"\nFull summary: {summary.folder / 'summary.md'}", highlight=False)
+
+
+# --------------------------------------------------------------------------- DVC headline metrics
+
+
+def _num(x: Any) -> float | int | bool | None:
+    if isinstance(x, bool) or x is None:
+        return x
+    if isinstance(x, int):
+        return x
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _drop_none(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+# Stages with a headline folder reports/metrics/<stage>/ (prepare's prepare.json is already small).
+HEADLINE_STAGES = ("curate", "train", "compress", "sparse_eval", "evaluate", "fit")
+
+
+def stage_metrics(stage: str, reports: Reports) -> dict[str, dict[str, Any]]:
+    """``{row name: {key: number}}``: the stage's headline numbers, one row per variant, setting or task.
+
+    Rows of a stage share their keys (and keys recur across stages: ``models``, ``delta_val_loss``,
+    ``best_val_loss``), so ``dvc metrics show`` stays as wide as the union of keys. Missing values
+    are left out, never 0; a stage whose report is missing or empty gives ``{}``. Raises
+    ``ValueError`` for a stage not in :data:`HEADLINE_STAGES`.
+    """
+    if stage not in HEADLINE_STAGES:
+        raise ValueError(f"stage {stage!r}: no headline metrics (stages with them: {', '.join(HEADLINE_STAGES)})")
+    if stage == "curate" and "curation.csv" in reports.tables:
+        return {r["variant"]: _drop_none({"docs_kept": _num(r["docs_kept"]), "docs_in": _num(r["docs_in"]),
+                                          "tokens_kept": _num(r["tokens_kept"]),
+                                          "val_decontaminated": _num(r.get("val_decontaminated"))})
+                for r in reports.tables["curation.csv"].iter_rows(named=True)}
+    if stage == "train" and "train.csv" in reports.tables:
+        train = reports.tables["train.csv"]
+        best = _best_runs(train) if train.height else {}
+        out = {}
+        for (v,), g in (train.group_by("variant", maintain_order=True) if train.height else []):
+            diverged = (g["diverged"].cast(pl.String).str.to_lowercase().is_in(["true", "1"]).sum()
+                        if "diverged" in g.columns else None)
+            out[v] = _drop_none({"runs": g.height, "diverged": None if diverged is None else int(diverged),
+                                 "best_val_loss": _num(best.get(v, {}).get("val_loss")),
+                                 "flops": _num(g["flops_total"].cast(pl.Float64).sum()) if "flops_total" in g.columns else None})
+        return out
+    if stage == "compress" and "compress.csv" in reports.tables and reports.tables["compress.csv"].height:
+        t = compression_table(reports.tables["compress.csv"])
+        return {(r["setting"] if r["group"] == "ladder" else f"{r['group']}_{r['setting']}"):
+                _drop_none({"models": r["models"], "bits_per_weight": _num(r["bits_per_weight"]),
+                            "delta_val_loss": _num(r["delta_median"])}) for r in t.iter_rows(named=True)}
+    if stage == "sparse_eval" and "sparse_eval.csv" in reports.tables and reports.tables["sparse_eval.csv"].height:
+        f = reports.tables["sparse_eval.csv"]
+        t = (f.group_by("setting", maintain_order=True)
+             .agg(pl.len().alias("models"), pl.col("achieved_sparsity").cast(pl.Float64).median().alias("a"),
+                  pl.col("delta_val_loss").cast(pl.Float64).median().alias("d")))
+        return {r["setting"]: _drop_none({"models": r["models"], "achieved_sparsity": _num(r["a"]),
+                                          "delta_val_loss": _num(r["d"])}) for r in t.iter_rows(named=True)}
+    if stage == "evaluate" and "downstream.csv" in reports.tables and reports.tables["downstream.csv"].height:
+        d = reports.tables["downstream.csv"]
+        base = d.filter(pl.col("method").cast(pl.String) == "none")
+        if "family" in base.columns:
+            base = base.filter(pl.col("family") == "ladder")
+        out = {}
+        for (task,), g in d.group_by("task", maintain_order=True):
+            b = base.filter(pl.col("task") == task)
+            out[task] = _drop_none({"models": g["model"].n_unique(),
+                                    "best_acc": _num(b["acc"].cast(pl.Float64).max()) if b.height else None,
+                                    "chance": _num(g["chance"][0]) if "chance" in g.columns else None})
+        return out
+    if stage == "fit" and "fits.json" in reports.json:
+        fits = reports.json["fits.json"]["variants"]
+        best = _best_runs(reports.tables["train.csv"]) if reports.tables.get("train.csv") is not None and \
+            reports.tables["train.csv"].height else {}
+        out = {}
+        for name in trained_series(reports):
+            e = fits.get(name)
+            if e is None:
+                continue
+            row: dict[str, Any] = {"identified": bool(e["identified"]), "points": _num(e.get("n_points"))}
+            for p in LAW_PARAMS:
+                if p in e:
+                    row[p] = _num(e[p]["value"])
+                    row[f"{p}_lo"], row[f"{p}_hi"] = _num(e[p].get("ci_low")), _num(e[p].get("ci_high"))
+            row["best_val_loss"] = _num(best.get(name, {}).get("val_loss"))
+            out[name] = _drop_none(row)
+        return out
+    return {}
+
+
+def _metric_file(name: str) -> str:
+    """A row name as a file name, kept readable (``raw+repb``, ``teal@0.5``)."""
+    return "".join(ch if ch.isalnum() or ch in "-_.+@" else "_" for ch in name) + ".json"
+
+
+def write_stage_metrics(stage: str, reports_dir: str | Path) -> Path:
+    """Write ``reports/metrics/<stage>/<row>.json`` (:func:`stage_metrics`), replacing the folder whole."""
+    from tasks.common.io import atomic_dir, write_json
+
+    reports_dir = Path(reports_dir)
+    rows = stage_metrics(stage, load_reports(reports_dir))
+    folder = reports_dir / "metrics" / stage
+    with atomic_dir(folder) as out:
+        for name, row in rows.items():
+            write_json(out / _metric_file(name), row)
+    return folder
+
+
+def write_summary(reports_dir: str | Path) -> tuple[Summary, Path]:
+    """Build the summary of ``reports_dir`` and write it to ``reports_dir/summary.md``."""
+    from tasks.common.io import write_text
+
+    summary = build_summary(load_reports(reports_dir))
+    return summary, write_text(Path(reports_dir) / "summary.md", summary_markdown(summary))
