@@ -309,6 +309,7 @@ def tracked_run(
     params: Mapping[str, Any] | None = None,
     tags: Mapping[str, Any] | None = None,
     workdir: str | Path | None = None,
+    system_metrics: bool = False,
 ) -> Iterator[TrackedRun]:
     """Open an MLflow run (a child of ``parent`` when given) that always ends.
 
@@ -317,12 +318,24 @@ def tracked_run(
     left RUNNING by a failure inside the block; one left by a killed process is closed
     by :func:`close_orphaned_runs` (the run carries its owner and a heartbeat).
     ``workdir`` (default: the parent's) is tagged as ``scalelab.workdir``.
+
+    Every run is tagged with the code's git commit and dirty flag
+    (:func:`tasks.common.lineage.source_tags`); a child takes its parent's params hash unless
+    ``tags`` gives one. ``system_metrics``: sample CPU, memory, disk and network into
+    ``system/*`` metrics every ``$SCALELAB_SYSTEM_METRICS_S`` seconds (default 10) while the run
+    is open, when psutil is installed (for long runs: a stage, not a model).
     """
+    from tasks.common.lineage import SOURCE_TAGS, source_tags
+
     client = _client(uri)
     exp_id = _experiment_id(client, experiment, uri)
-    all_tags = {"mlflow.runName": name, **owner_tags()}
+    all_tags = {"mlflow.runName": name, **owner_tags(), **source_tags()}
     if parent is not None:
         all_tags["mlflow.parentRunId"] = parent.run_id
+        if not any(k in (tags or {}) for k in SOURCE_TAGS[2:]):
+            with contextlib.suppress(Exception):  # a parent from another store: no params hash to inherit
+                inherited = client.get_run(parent.run_id).data.tags
+                all_tags.update({k: inherited[k] for k in SOURCE_TAGS[2:] if k in inherited})
     workdir = str(workdir) if workdir is not None else (parent.workdir if parent is not None else None)
     if workdir is not None:
         all_tags[WORKDIR_TAG] = workdir
@@ -330,11 +343,13 @@ def tracked_run(
     run = client.create_run(exp_id, run_name=name, tags=all_tags)
     handle = TrackedRun(uri=uri, experiment=experiment, run_id=run.info.run_id, workdir=workdir)
     _HEARTBEAT.add(uri, handle.run_id)
+    monitor = _system_monitor(uri, handle.run_id) if system_metrics else None
     try:
         if params:
             handle.log_params(params)
         yield handle
     except BaseException as exc:
+        _stop_monitor(monitor)
         with contextlib.suppress(Exception):
             client.set_tag(handle.run_id, "error", _param_value(f"{type(exc).__name__}: {exc}"))
             client.set_tag(handle.run_id, "error.traceback", _param_value(traceback.format_exc()))
@@ -342,5 +357,30 @@ def tracked_run(
         client.set_terminated(handle.run_id, status="FAILED")
         raise
     else:
+        _stop_monitor(monitor)
         _HEARTBEAT.remove(handle.run_id)
         client.set_terminated(handle.run_id, status="FINISHED")
+
+
+def _system_monitor(uri: str, run_id: str):
+    """MLflow's system-metrics sampler on ``run_id`` (a daemon thread), or None without psutil."""
+    import importlib.util
+    import logging
+
+    if importlib.util.find_spec("psutil") is None:
+        logging.getLogger("scalelab").info("no system metrics for run %s: psutil is not installed (pip install psutil)",
+                                           run_id)
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # one INFO line per start/stop otherwise
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=float(os.environ.get("SCALELAB_SYSTEM_METRICS_S", "10")),
+                                   tracking_uri=uri)
+    monitor.start()
+    return monitor
+
+
+def _stop_monitor(monitor) -> None:
+    if monitor is not None:
+        with contextlib.suppress(Exception):  # the run's end matters more than its last sample
+            monitor.finish()

@@ -1,0 +1,203 @@
+"""Lineage helpers: dataset digests against dvc.lock, source tags, models logged by reference and
+registered, loaded back through MLflow with the folder's logits."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from tasks.common.lineage import (
+    GIT_COMMIT, GIT_DIRTY, PARAMS_HASH, budget_label, data_ref, dvc_entry, find_models, log_datasets, log_model_ref,
+    model_name, params_hash, register_alias, source_tags, stage_params_files,
+)
+from tasks.common.tracking import tracked_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+from training_fixtures import markov_tokens, tiny_config  # noqa: E402
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
+
+
+def _parquet_bytes(texts: list[str]) -> bytes:
+    import io
+
+    import polars as pl
+
+    buf = io.BytesIO()
+    pl.DataFrame({"text": texts}).write_parquet(buf)
+    return buf.getvalue()
+
+
+TOKENS_V1 = _npy_bytes(np.arange(9, dtype=np.uint16))
+PARQUET_V1 = _parquet_bytes(["a", "b", "c"])
+
+
+def _md5(b: bytes) -> str:
+    return hashlib.md5(b).hexdigest()
+
+
+@pytest.fixture()
+def workdir(tmp_path: Path) -> Path:
+    """A workdir with a file output and a folder output recorded in dvc.lock (the folder's
+    ``.dir`` manifest in DVC 3's cache layout)."""
+    (tmp_path / "data" / "tokens").mkdir(parents=True)
+    (tmp_path / "data" / "curated" / "raw").mkdir(parents=True)
+    np.save(tmp_path / "data" / "tokens" / "raw.npy", np.arange(9, dtype=np.uint16))
+    kept = tmp_path / "data" / "curated" / "raw" / "kept.parquet"
+    kept.write_bytes(PARQUET_V1)
+    manifest = json.dumps([{"md5": _md5(PARQUET_V1), "relpath": "raw/kept.parquet"}]).encode()
+    dir_md5 = _md5(manifest) + ".dir"
+    cache = tmp_path / ".dvc" / "cache" / "files" / "md5" / dir_md5[:2]
+    cache.mkdir(parents=True)
+    (cache / dir_md5[2:]).write_bytes(manifest)
+    lock = {"schema": "2.0", "stages": {
+        "curate": {"cmd": "x", "outs": [{"path": "data/curated", "hash": "md5", "md5": dir_md5, "nfiles": 1}]},
+        "train": {"cmd": "y", "outs": [{"path": "data/tokens/raw.npy", "hash": "md5", "md5": _md5(TOKENS_V1),
+                                        "size": len(TOKENS_V1)}]},
+    }}
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump(lock))
+    return tmp_path
+
+
+def test_digest_is_the_dvc_hash_of_a_file_output(workdir: Path):
+    ref = data_ref(workdir, workdir / "data" / "tokens" / "raw.npy", "raw")
+    assert ref.name == "raw" and ref.source == "data/tokens/raw.npy"
+    assert ref.digest == _md5(TOKENS_V1) and ref.profile["dvc_lock"] == "current"
+    assert ref.profile["tokens"] == 9
+    assert ref.profile["dvc_out"] == "data/tokens/raw.npy"
+
+
+def test_digest_of_a_file_inside_a_folder_output_comes_from_its_manifest(workdir: Path):
+    entry = dvc_entry(workdir, "data/curated/raw/kept.parquet")
+    assert entry is not None and entry.out == "data/curated" and entry.out_md5.endswith(".dir")
+    assert entry.file_md5 == _md5(PARQUET_V1)
+    ref = data_ref(workdir, workdir / "data" / "curated" / "raw" / "kept.parquet", "raw")
+    assert ref.digest == entry.file_md5 and ref.profile["dvc_lock"] == "current"
+    assert ref.profile["dvc_out_md5"] == entry.out_md5
+
+
+def test_a_stale_lock_is_reported_and_the_content_hash_kept(workdir: Path):
+    path = workdir / "data" / "tokens" / "raw.npy"
+    np.save(path, np.arange(10, dtype=np.uint16))  # changed since dvc repro
+    ref = data_ref(workdir, path, "raw")
+    assert ref.digest == _md5(path.read_bytes()) != _md5(TOKENS_V1) and ref.profile["dvc_lock"] == "stale"
+
+
+def test_without_a_lock_the_digest_is_the_content_hash(tmp_path: Path):
+    import polars as pl
+
+    pl.DataFrame({"text": ["a", "b"]}).write_parquet(tmp_path / "val.parquet")
+    ref = data_ref(tmp_path, tmp_path / "val.parquet", "val")
+    assert ref.digest == _md5((tmp_path / "val.parquet").read_bytes()) and ref.profile["dvc_lock"] == "none"
+    assert ref.profile["rows"] == 2
+
+
+def test_a_temporary_copy_is_logged_under_its_final_dvc_path(workdir: Path, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("atomic") / "kept.parquet"
+    tmp.write_bytes(PARQUET_V1)
+    ref = data_ref(workdir, tmp, "raw", at=workdir / "data" / "curated" / "raw" / "kept.parquet")
+    assert ref.source == "data/curated/raw/kept.parquet" and ref.profile["dvc_lock"] == "current"
+
+
+def test_bad_input_names_the_file(workdir: Path, tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="missing.npy"):
+        data_ref(workdir, workdir / "missing.npy", "raw")
+    (workdir / "broken.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="broken.parquet"):
+        data_ref(workdir, workdir / "broken.parquet", "raw")
+    (workdir / "dvc.lock").write_text("stages: [unclosed")
+    with pytest.raises(ValueError, match="dvc.lock"):
+        dvc_entry(workdir, "data/tokens/raw.npy")
+
+
+def test_source_tags_name_the_commit_and_hash_the_stage_params(tmp_path: Path):
+    (tmp_path / "params").mkdir()
+    (tmp_path / "params" / "pipeline.yaml").write_text("pipeline: {}\n")
+    (tmp_path / "params" / "training.yaml").write_text("training: {lr: 0.1}\n")
+    (tmp_path / "params" / "fit.yaml").write_text("fit: {}\n")
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": {
+        "cmd": "x", "params": [{"params/pipeline.yaml": None}, {"params/training.yaml": None}]}}}))
+    files = stage_params_files(tmp_path, "train")
+    assert [f.name for f in files] == ["pipeline.yaml", "training.yaml"]
+    assert len(stage_params_files(tmp_path, "pipeline")) == 3  # not a DVC stage: every params file
+    tags = source_tags(tmp_path, "train")
+    before = tags[PARAMS_HASH]
+    (tmp_path / "params" / "fit.yaml").write_text("fit: {changed: 1}\n")  # not train's: same hash
+    assert source_tags(tmp_path, "train")[PARAMS_HASH] == before
+    (tmp_path / "params" / "training.yaml").write_text("training: {lr: 0.2}\n")
+    assert source_tags(tmp_path, "train")[PARAMS_HASH] != before
+    repo = Path(__file__).resolve().parents[3]
+    if (repo / ".git").exists():  # this checkout's commit; the flag is a boolean string
+        assert len(tags[GIT_COMMIT]) == 40 and tags[GIT_DIRTY] in ("true", "false")
+    with pytest.raises(FileNotFoundError, match="gone.yaml"):
+        params_hash([tmp_path / "params" / "gone.yaml"])
+
+
+def test_children_inherit_source_tags_and_datasets_show_on_the_run(workdir: Path):
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    ref = data_ref(workdir, workdir / "data" / "tokens" / "raw.npy", "raw")
+    with tracked_run("train", uri=uri, experiment="t", tags={PARAMS_HASH: "abc123"}) as parent:
+        with tracked_run("train:raw:d16", uri=uri, experiment="t", parent=parent.ref()) as child:
+            log_datasets(child, [ref], "training")
+    run = mlflow.MlflowClient(uri).get_run(child.run_id)
+    assert run.data.tags[PARAMS_HASH] == "abc123"
+    (ds,) = run.inputs.dataset_inputs
+    assert (ds.dataset.name, ds.dataset.digest) == ("raw", ref.digest)
+    assert json.loads(ds.dataset.source)["uri"] == "data/tokens/raw.npy"
+    assert {t.key: t.value for t in ds.tags}["mlflow.data.context"] == "training"
+
+
+def test_aliases_and_model_names_are_what_mlflow_accepts():
+    assert budget_label(1e13) == "1e13" and budget_label(3e11) == "3e11"
+    assert budget_label(8192) == "8192" and budget_label(2.5e8) == "2_5e8"
+    assert model_name("raw+repb", "d16_l1-t8192", "anybcq@w3") == "raw+repb-d16_l1-t8192-anybcq@w3"
+    assert model_name("raw", "d1.5") == "raw-d1_5"
+
+
+def test_registered_model_loads_back_with_the_folders_logits(tmp_path: Path):
+    """Train a tiny model, log it by reference, register it under an alias, load it through
+    ``models:/<name>@<alias>`` and compare logits with the folder's."""
+    from tasks.training.loop import ladder, load_model, train_model
+
+    cfg = tiny_config(token_budgets=(512,), eval_tokens=256)
+    data = markov_tokens(6000)
+    out = tmp_path / "models" / "raw" / "d32"
+    result = train_model(ladder(cfg)[0], cfg, data[:5000], data[5000:], out)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    with tracked_run("train:raw:d32", uri=uri, experiment="t") as run:
+        model_id = log_model_ref(run, "raw-d32", {"kind": "trained", "model_dir": str(out.resolve())},
+                                 key="raw/d32", metrics={"val_loss": result.val_loss, "ppl": None})
+    version = register_alias(uri, "raw", model_id, "best-512", run_id=run.run_id)
+    client = mlflow.MlflowClient(uri)
+    assert str(client.get_model_version_by_alias("raw", "best-512").version) == version
+    logged = client.get_logged_model(model_id)
+    assert [m.key for m in logged.metrics] == ["val_loss"]  # ppl None: missing, not 0
+    assert find_models(uri, "t") == {"raw/d32": model_id}
+    # by reference: the store holds a few kB, not the weights
+    store = Path(logged.artifact_location.removeprefix("file://"))
+    assert sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) < 50_000
+    assert not list(store.rglob("*.safetensors"))
+
+    loaded = mlflow.pyfunc.load_model("models:/raw@best-512")
+    ids = np.asarray(data[5000:5000 + 2 * 32].astype(np.int64)).reshape(2, 32)
+    got = loaded.predict(ids)
+    model, _ = load_model(out)
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids)).logits.float().numpy()
+    assert got.shape == (2, 32, 256)
+    np.testing.assert_array_equal(got, want)
