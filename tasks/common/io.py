@@ -88,6 +88,25 @@ def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+def _restore_plain_modes(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes a plain write gives (execute bits kept on files).
+
+    Not only our own writers fill an :func:`atomic_dir`: transformers' ``save_pretrained`` (5.x)
+    writes ``model.safetensors`` through a temporary file and leaves it 0600.
+    """
+    file_mode, dir_mode = _plain_mode(folder=False), _plain_mode(folder=True)
+    os.chmod(folder, dir_mode)
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                os.chmod(p, dir_mode)
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                os.chmod(p, file_mode | (os.stat(p).st_mode & 0o111 & dir_mode))
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield a fresh temporary folder beside ``path``; on success it replaces ``path`` whole.
@@ -102,7 +121,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
-        os.chmod(tmp, _plain_mode(folder=True))
+        _restore_plain_modes(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
