@@ -76,13 +76,13 @@ def test_a_rank_r_layer_is_the_best_rank_r_approximation_for_any_gate(shape, ran
         lin.bias.copy_(torch.randn(shape[0], generator=g))
     layer = inherit_linear(lin, rank, heads, generator=torch.Generator().manual_seed(1))
     assert n_params(layer) == factor_cost(shape[1], shape[0], rank, heads, True)
-    u, s, vh = torch.linalg.svd(lin.weight.double(), full_matrices=False)
+    u, s, vh = torch.linalg.svd(lin.weight.detach().double(), full_matrices=False)
     w_r = (u[:, :rank] * s[:rank]) @ vh[:rank]
     x = torch.randn(7, 3, shape[1], generator=g)
     want = (x.double() @ w_r.T + lin.bias.double()).float()
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
     if heads == 1:  # Eckart–Young: the residual's energy is that of the dropped singular values
-        err = (lin.weight.double() - layer.dense_weight().detach().double()).pow(2).sum()
+        err = (lin.weight.detach().double() - layer.dense_weight().detach().double()).pow(2).sum()
         assert float(err) == pytest.approx(float(s[rank:].pow(2).sum()), rel=1e-4)
     else:  # the gate really depends on the input, yet every mixture gives W_r x at initialisation
         gates = torch.softmax(layer.gate(layer.down(x)), -1)
