@@ -86,7 +86,7 @@ def test_a_rank_r_layer_is_the_best_rank_r_approximation_for_any_gate(shape, ran
         assert float(err) == pytest.approx(float(s[rank:].pow(2).sum()), rel=1e-4)
     else:  # the gate really depends on the input, yet every mixture gives W_r x at initialisation
         gates = torch.softmax(layer.gate(layer.down(x)), -1)
-        assert float(gates.std(dim=(0, 1)).min()) > 1e-3
+        assert float(gates.detach().std(dim=(0, 1)).min()) > 1e-3
 
 
 # ------------------------------------------------------------------------------------------------
