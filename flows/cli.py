@@ -6,6 +6,7 @@
     scalelab fit --points points.csv --out fits/
     scalelab eval tasks --model smollm2 --tasks arc_easy,piqa --limit 50 --out eval/
     scalelab microbench --matrix correctness.csv --sizes 10,25,50,100,250 --out mb/
+    scalelab select --preset ci             # DDCF fine-tuning data selection -> reports/ddcf.csv
     scalelab check-params                   # load every params file under every preset
     scalelab report [--workdir DIR]         # what a finished workdir found (rewrites reports/summary.md)
     scalelab serve                          # scheduled deployments on this machine
@@ -18,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-STAGES = ("prepare", "curate", "train", "compress", "prune", "sparse_eval", "evaluate", "fit")
+STAGES = ("prepare", "curate", "train", "compress", "prune", "sparse_eval", "evaluate", "fit", "select")
 
 
 def _env_defaults(root: Path) -> None:
@@ -95,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--workdir", help="the workdir to summarise (default: --root)")
     rep.add_argument("--root", default=".")
 
+    sel = sub.add_parser("select", help="DDCF fine-tuning data selection (the select stage): "
+                         "reports/ddcf.csv, accuracy against labels used per method")
+    _common(sel)
+    sel.add_argument("--workdir", help="where reports/ and mlflow.db go (default: --root)")
+
     chk = sub.add_parser("check-params", help="load every params file under every preset")
     chk.add_argument("--root", default=".")
 
@@ -110,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report(Path(args.workdir or root))
     from flows.runtime import WorkdirError, ensure_workdir
 
+    if args.command == "select":  # the select stage alone, as `scalelab run select`
+        args.command, args.stage, args.runner, args.ray_address = "run", "select", None, None
     if args.command == "run":
         # Every stage's params, not only this stage's: a bad key stops the command before the
         # workdir, the lock, MLflow or Prefect are touched (and before a long stage runs into a

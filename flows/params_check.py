@@ -13,6 +13,7 @@ def stage_configs() -> dict[str, type]:
     from flows.runtime import PipelineConfig
     from tasks.compression.pruning import PruningConfig
     from tasks.compression.registry import CompressionConfig
+    from tasks.curation.ddcf import SelectConfig
     from tasks.curation.prepare import PrepareConfig
     from tasks.curation.recipes import CurationConfig
     from tasks.evaluation.downstream import EvaluateConfig
@@ -30,6 +31,7 @@ def stage_configs() -> dict[str, type]:
         "sparse_eval": SparseEvalConfig,
         "evaluate": EvaluateConfig,
         "fit": FitConfig,
+        "select": SelectConfig,
     }
 
 

@@ -16,6 +16,7 @@ from flows.curate import curate_flow
 from flows.evaluate import evaluate_flow
 from flows.fit import fit_flow
 from flows.prepare import prepare_flow
+from flows.select import select_flow
 from flows.prune import prune_flow
 from flows.sparse_eval import sparse_eval_flow
 from flows.stage import stage_context
@@ -33,6 +34,7 @@ STAGE_FLOWS = {
     "sparse_eval": sparse_eval_flow,
     "evaluate": evaluate_flow,
     "fit": fit_flow,
+    "select": select_flow,
 }
 
 

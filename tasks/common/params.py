@@ -22,7 +22,7 @@ from tasks.common.config import ConfigError, deep_merge, from_mapping, load_yaml
 T = TypeVar("T")
 
 PRESETS = ("ci", "demo", "full")
-STAGES = ("pipeline", "prepare", "curation", "training", "compression", "pruning", "sparse_eval", "fit")
+STAGES = ("pipeline", "prepare", "curation", "training", "compression", "pruning", "sparse_eval", "fit", "select")
 
 
 def params_dir(root: str | Path) -> Path:
