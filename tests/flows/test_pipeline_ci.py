@@ -152,3 +152,45 @@ def test_pruning_rows_dense_pruned_and_recovered(ci_run):
     pruned = prune.filter(pl.col("method") != "dense")
     assert (pruned["params"] < pruned["params"].max() + 1).all() and (pruned["removed_fraction"] > 0).all()
     assert set(pruned["recovery_loss"]) == {"none", "csd"} and prune["ppl"].is_finite().all()
+
+
+def test_summary_headline_metrics_and_file_modes(ci_run):
+    """What the run found is in reports/summary.md (and the pipeline's Prefect artifact), each stage's
+    headline metrics have one small file per row, and every output is readable by other users."""
+    import asyncio
+    import os
+    import stat
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from tasks.common.summary import HEADLINE_STAGES
+
+    workdir, result = ci_run
+    reports = workdir / "reports"
+    summary = (reports / "summary.md").read_text()
+    assert result["summary"] == str(reports / "summary.md")
+    train = pl.read_csv(reports / "train.csv")
+    assert "Incomplete workdir" not in summary and "## Scaling laws" in summary
+    assert all(f"| {v} |" in summary for v in set(train["variant"]))
+    for stage in HEADLINE_STAGES:
+        rows = {p.stem for p in (reports / "metrics" / stage).glob("*.json")}
+        assert rows, stage
+        if stage in ("train", "fit"):
+            assert rows == set(train["variant"]), stage
+    assert all(len(p.read_text()) < 1000 for p in (reports / "metrics").rglob("*.json"))
+
+    async def artifact():
+        async with get_client() as client:
+            found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pipeline-summary"])))
+            return found[-1] if found else None
+
+    art = asyncio.run(artifact())
+    assert art is not None and "Scaling laws" in art.data
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    unusual = [f"{p} {stat.S_IMODE(p.stat().st_mode):o}"
+               for top in ("reports", "models", "data", "mlartifacts") for p in (workdir / top).rglob("*")
+               if not p.is_symlink() and stat.S_IMODE(p.stat().st_mode) != (0o777 if p.is_dir() else 0o666) & ~mask]
+    assert unusual == [], unusual[:5]
