@@ -4,7 +4,8 @@ Run: ``scalelab run prune [--preset ci]``. For each model (by default the larges
 each variant, and SmolLM2-135M when ``pruning.pretrained`` names it) and each enabled setting of
 params/pruning.yaml: prune a copy with the setting's method (EntroDrop, cosine_drop, ...), score it
 on the validation split, then recover it by distillation from the unpruned model with every loss of
-``pruning.recovery.losses`` (CSD, forward KL, DLD) on the same training windows and score each.
+``pruning.recovery.losses`` (CSD, forward KL, DLD) on the same training windows and score each; the
+windows are a ``budget`` share of the candidates chosen at random or by PASER (``data_select``).
 Writes ``reports/pruning.csv`` (model, variant, method, removed_fraction, recovery_loss, data_select,
 recovery_tokens, ppl, params, flops_per_token, ...); one MLflow run per (model, row).
 """
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from tokenizers import Tokenizer
 
 from flows.compress import PRETRAINED, check_overlap, calib_eval_overlap, text_tokens
 from flows.evaluate_models import tokens_path, trained_models, val_tokens_path
@@ -59,16 +61,17 @@ def prune_model(model_row: dict, cfg: PruningConfig, parent: RunRef) -> list[dic
     calib, train = split_train(load_tokens(model_row["train_path"]), cfg.calib_tokens, cfg.recovery, model_row["train_path"])
     check_overlap(calib_eval_overlap(calib, val[: cfg.eval_tokens]), model_row["run"])
     base_row = {"model": model_row["run"], "variant": model_row["variant"], "run": model_row["run"]}
+    tokenizer = Tokenizer.from_file(model_row["tokenizer_path"])
     return prune_rows(model, settings=cfg.methods(), recovery=cfg.recovery, calib=calib, train=train, val=val,
                       seq_len=seq_len, batch_size=cfg.batch_size, eval_tokens=cfg.eval_tokens, base_row=base_row,
-                      log=_logger(parent, model_row["run"]))
+                      log=_logger(parent, model_row["run"]), texts=lambda w: tokenizer.decode_batch(w.tolist()))
 
 
 def prune_pretrained(name: str, cfg: PruningConfig, prepared: str, parent: RunRef) -> list[dict]:
     """Every pretrained setting on one pretrained model, on the prepared train/val text in its own tokenizer."""
     from tasks.common.models import load_causal_lm
 
-    set_process_threads(cfg.num_threads)
+    set_process_threads(cfg.pretrained_num_threads)
     model, tok, _ = load_causal_lm(name)
     recovery = cfg.pretrained_recovery or cfg.recovery
     prepared_dir = Path(prepared)
@@ -81,7 +84,8 @@ def prune_pretrained(name: str, cfg: PruningConfig, prepared: str, parent: RunRe
     base_row = {"model": PRETRAINED[name], "variant": "pretrained", "run": None}
     return prune_rows(model, settings=cfg.methods(pretrained=True), recovery=recovery, calib=calib, train=rec,
                       val=val, seq_len=cfg.pretrained_seq_len, batch_size=cfg.pretrained_batch_size,
-                      eval_tokens=cfg.pretrained_eval_tokens, base_row=base_row, log=_logger(parent, PRETRAINED[name]))
+                      eval_tokens=cfg.pretrained_eval_tokens, base_row=base_row, log=_logger(parent, PRETRAINED[name]),
+                      texts=lambda w: tok.decode_batch(w.tolist()))
 
 
 @flow(name="prune", log_prints=True)
@@ -98,7 +102,8 @@ def prune_flow(
         models = trained_models(ctx, cfg.models)
         if not cfg.models and cfg.largest_only:
             models = largest_per_variant(models)
-        jobs = [dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m))},
+        jobs = [dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m)),
+                                    "tokenizer_path": str(ctx.layout.tokenizer)},
                      cfg=cfg, parent=run.ref()) for m in models]
         rows = [r for rs in map_tasks(ctx.pipeline, prune_model, jobs) for r in rs]
         for name in cfg.pretrained:  # one at a time: its own threads use the cores

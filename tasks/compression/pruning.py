@@ -32,6 +32,7 @@ from torch import nn
 
 from tasks.common.config import require, to_dict
 from tasks.compression.distill import LOSSES, DistillConfig, recover, token_windows
+from tasks.compression.paser import PaserConfig, paser_select, random_select, sample_degradation
 from tasks.compression.registry import PRUNERS, MethodSpec
 from tasks.evaluation.loss import evaluate_loss
 
@@ -39,6 +40,7 @@ from tasks.evaluation.loss import evaluate_loss
 RECOVERY_LOSSES = {"csd": ("csd", "mode_seeking"), "csd_cover": ("csd", "mode_covering"),
                    "kl": ("kl", "mode_seeking"), "dld": ("dld", "mode_seeking")}
 assert {kind for kind, _ in RECOVERY_LOSSES.values()} <= set(LOSSES)
+DATA_SELECTORS = ("random", "paser")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +50,18 @@ class RecoveryConfig:
     ``steps`` AdamW steps at ``lr`` on batches of ``batch_size`` windows of ``seq_len`` tokens drawn
     from the first ``tokens`` training tokens after the calibration ones. ``train_embeddings``:
     also train the (often tied) embeddings and head; off by default, as in the benchmark (a fifth of
-    SmolLM2's weights, and the head's gradient is a third of the backward)."""
+    SmolLM2's weights, and the head's gradient is a third of the backward).
+
+    ``data_select``: how the recovery windows are chosen from the candidates (the ``tokens`` cut
+    into ``seq_len`` windows): ``random`` or ``paser`` (:mod:`tasks.compression.paser`, configured
+    by ``paser``), each taking ``budget`` of the candidate windows. The first entry runs with every
+    loss; the others with the first loss only, which is what comparing selectors at equal loss
+    needs. A second selector needs ``budget < 1`` (at 1 every selector takes every window)."""
 
     losses: tuple[str, ...] = ("csd", "kl")
+    data_select: tuple[str, ...] = ("random",)
+    budget: float = 1.0
+    paser: PaserConfig = field(default_factory=PaserConfig)
     steps: int = 20
     lr: float = 1e-4
     batch_size: int = 4
@@ -68,6 +79,18 @@ class RecoveryConfig:
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
         require(self.tokens >= self.seq_len, "tokens", f"must be >= seq_len ({self.seq_len}), got {self.tokens}")
+        bad = [x for x in self.data_select if x not in DATA_SELECTORS]
+        require(not bad and len(self.data_select) > 0, "data_select",
+                f"must name one or more of {list(DATA_SELECTORS)}, got {list(self.data_select)}")
+        require(len(set(self.data_select)) == len(self.data_select), "data_select", f"has duplicates: {list(self.data_select)}")
+        require(0 < self.budget <= 1, "budget", f"must be in (0, 1], got {self.budget}")
+        require(len(self.data_select) == 1 or self.budget < 1, "budget",
+                f"must be < 1 to compare selectors {list(self.data_select)} (at 1 each takes every window)")
+
+    def runs(self) -> list[tuple[str, str]]:
+        """``(loss, data_select)`` pairs: the first selector with every loss, the others with the first loss."""
+        first, *others = self.data_select
+        return [(loss, first) for loss in self.losses] + [(self.losses[0], d) for d in others if self.losses]
 
     def distill(self, loss: str) -> DistillConfig:
         kind, weighting = RECOVERY_LOSSES[loss]
@@ -85,7 +108,8 @@ class PruningConfig:
     ``calib_tokens``: training tokens the methods score blocks on; ``eval_tokens`` validation tokens
     scored per model at ``seq_len`` (None = the model's training length) in batches of ``batch_size``.
     ``recovery``: :class:`RecoveryConfig`. ``pretrained`` (``smollm2``) with ``pretrained_settings``
-    (empty = the enabled ones) and its own ``pretrained_*`` token counts and window length.
+    (empty = the enabled ones), its own ``pretrained_*`` token counts, window length, recovery (None =
+    ``recovery``) and torch threads (``pretrained_num_threads``: it runs after the ladder's models, alone).
     """
 
     settings: dict[str, dict[str, Any]]
@@ -105,6 +129,7 @@ class PruningConfig:
     pretrained_batch_size: int = 4
     pretrained_recovery: RecoveryConfig | None = None
     num_threads: int = 1
+    pretrained_num_threads: int = 2
 
     def __post_init__(self) -> None:
         from tasks.compression.registry import PRETRAINED_MODELS
@@ -123,7 +148,8 @@ class PruningConfig:
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         require(self.pretrained_batch_size >= 1, "pretrained_batch_size", f"must be >= 1, got {self.pretrained_batch_size}")
         require(len(set(self.models)) == len(self.models), "models", f"has duplicates: {list(self.models)}")
-        require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0 = torch's default), got {self.num_threads}")
+        for key in ("num_threads", "pretrained_num_threads"):
+            require(getattr(self, key) >= 0, key, f"must be >= 0 (0 = torch's default), got {getattr(self, key)}")
 
     def methods(self, pretrained: bool = False) -> dict[str, tuple[str, MethodSpec]]:
         """The settings to run as ``{setting: (method, cfg)}`` (on pretrained models: ``pretrained_settings``)."""
@@ -195,12 +221,16 @@ def prune_rows(
     model: nn.Module, *, settings: dict[str, tuple[str, MethodSpec]], recovery: RecoveryConfig,
     calib: np.ndarray, train: np.ndarray, val: np.ndarray, seq_len: int, batch_size: int, eval_tokens: int,
     base_row: dict[str, Any], log: Callable[[str, dict[str, Any], dict[str, Any]], None] | None = None,
+    texts: Callable[[torch.Tensor], list[str]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every setting on ``model``: the dense row, then per setting the pruned row and one row per recovery loss.
+    """Every setting on ``model``: the dense row, then per setting the pruned row and one row per
+    recovery run (:meth:`RecoveryConfig.runs`).
 
-    ``calib``: training tokens the methods score on; ``train``: the recovery tokens (disjoint from
-    ``calib``); ``val``: validation tokens, of which the first ``eval_tokens`` are scored in windows
-    of ``seq_len``. ``log(setting, params, metrics)`` is called once per row (the stage's MLflow run).
+    ``calib``: training tokens the methods score on; ``train``: the recovery candidates (disjoint
+    from ``calib``), cut into ``recovery.seq_len`` windows; ``val``: validation tokens, of which the
+    first ``eval_tokens`` are scored in windows of ``seq_len``. ``texts(windows)`` decodes windows
+    for PASER's sentence embeddings (needed when ``recovery.data_select`` has ``paser``).
+    ``log(setting, params, metrics)`` is called once per row (the stage's MLflow run).
     """
 
     def ppl(m: nn.Module) -> float:
@@ -215,6 +245,14 @@ def prune_rows(
     if log:
         log("dense", base_row | {"method": "dense"}, dense)
     windows = token_windows(np.asarray(train), recovery.seq_len)
+    k = max(1, round(recovery.budget * len(windows)))
+    embeddings = None
+    if "paser" in recovery.data_select:
+        if texts is None:
+            raise ValueError("recovery.data_select names paser, which needs the windows' text (texts=)")
+        from tasks.curation.ddcf import question_embeddings
+
+        embeddings = question_embeddings(texts(windows))
     teacher = CachedTeacher(model)
     for setting, (method, cfg) in settings.items():
         t = time.perf_counter()
@@ -231,23 +269,37 @@ def prune_rows(
         rows.append(row | first)
         if log:
             log(setting, row | {"config": to_dict(cfg)}, first)
-        for loss in recovery.losses:
+        chosen = {d: select_windows(d, model, pruned, windows, k, recovery, embeddings) for d in recovery.data_select}
+        for loss, select in recovery.runs():
             t = time.perf_counter()
             student = copy.deepcopy(pruned)
             if not recovery.train_embeddings:
                 student.get_input_embeddings().weight.requires_grad_(False)
                 student.get_output_embeddings().weight.requires_grad_(False)
-            curve = recover(student, teacher, windows, recovery.distill(loss))
-            rec = {"recovery_loss": loss, "data_select": "random", "recovery_steps": recovery.steps,
-                   "recovery_tokens": curve.tokens, "ppl": ppl(student.eval()),
-                   "distill_loss_first": curve.losses[0], "distill_loss_last": curve.losses[-1],
-                   "seconds": round(time.perf_counter() - t, 2)}
+            curve = recover(student, teacher, windows[chosen[select]], recovery.distill(loss))
+            rec = {"recovery_loss": loss, "data_select": select, "recovery_steps": recovery.steps,
+                   "recovery_windows": len(chosen[select]), "recovery_tokens": curve.tokens,
+                   "ppl": ppl(student.eval()), "distill_loss_first": curve.losses[0],
+                   "distill_loss_last": curve.losses[-1], "seconds": round(time.perf_counter() - t, 2)}
             rows.append(row | rec)
             if log:
-                log(f"{setting}+{loss}", row | {"recovery": to_dict(recovery)}, rec)
+                log(f"{setting}+{loss}+{select}", row | {"recovery": to_dict(recovery)}, rec)
             del student
         del result, pruned
     return rows
+
+
+def select_windows(select: str, dense: nn.Module, pruned: nn.Module, windows: torch.Tensor, k: int,
+                   recovery: RecoveryConfig, embeddings: np.ndarray | None) -> np.ndarray:
+    """Indices of the ``k`` recovery windows ``select`` chooses (all of them at ``budget`` 1)."""
+    if k >= len(windows):
+        return np.arange(len(windows))
+    if select == "random":
+        return random_select(len(windows), k, recovery.seed).indices
+    pc = recovery.paser
+    degradation = sample_degradation(dense, pruned, windows, kind=pc.degradation, batch_size=pc.batch_size)
+    lengths = np.full(len(windows), windows.shape[1])
+    return paser_select(embeddings, degradation, lengths, k, pc).indices
 
 
 def largest_per_variant(models: list[dict[str, Any]]) -> list[dict[str, Any]]:

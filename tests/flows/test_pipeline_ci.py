@@ -149,9 +149,77 @@ def test_pruning_rows_dense_pruned_and_recovered(ci_run):
     # the largest run of each variant, dense and pruned by both methods, then recovered by CSD
     assert set(prune["variant"]) == set(train["variant"])
     assert set(prune["method"]) == {"dense", "entrodrop", "cosine_drop"}
-    pruned = prune.filter(pl.col("method") != "dense")
-    assert (pruned["params"] < pruned["params"].max() + 1).all() and (pruned["removed_fraction"] > 0).all()
-    assert set(pruned["recovery_loss"]) == {"none", "csd"} and prune["ppl"].is_finite().all()
+    dense = prune.filter(pl.col("method") == "dense").select("variant", dense_params="params")
+    pruned = prune.filter(pl.col("method") != "dense").join(dense, on="variant")
+    assert (pruned["params"] < pruned["dense_params"]).all() and (pruned["removed_fraction"] > 0).all()
+    assert set(zip(pruned["recovery_loss"], pruned["data_select"])) == {("none", "none"), ("csd", "random"), ("csd", "paser")}
+    assert prune["ppl"].is_finite().all()
+
+
+def test_mlflow_records_lineage_models_and_registry(ci_run):
+    """Datasets with DVC digests on every run that reads data, git/params tags, logged models with
+    their metrics (trained and compressed), one registry alias per series and budget."""
+    workdir, result = ci_run
+    from tasks.common.lineage import GIT_DIRTY, PARAMS_HASH, file_md5
+    from tasks.common.tracking import tracking_uri
+
+    client = mlflow.MlflowClient(tracking_uri(workdir))
+    exp = client.get_experiment_by_name("scalelab")
+    everything = client.search_runs([exp.experiment_id], max_results=5000)
+    tree, frontier = {}, {result["parent_run_id"]}
+    while frontier:
+        found = [r for r in everything if r.data.tags.get("mlflow.parentRunId") in frontier]
+        tree.update({r.info.run_id: r for r in found})
+        frontier = {r.info.run_id for r in found}
+    runs = list(tree.values())
+    assert all(PARAMS_HASH in r.data.tags for r in runs)
+    if (ROOT / ".git").exists():
+        assert all(r.data.tags.get("mlflow.source.git.commit") and r.data.tags[GIT_DIRTY] in ("true", "false")
+                   for r in runs)
+    per_model = [r for r in runs if r.data.tags["scalelab.stage"] in ("train", "compress", "sparse_eval", "evaluate")
+                 and "variant" in r.data.params and r.data.tags.get("mlflow.runName", "").count(":") >= 2]
+    assert per_model
+    for r in per_model:
+        training = [d.dataset for d in r.inputs.dataset_inputs
+                    if {t.key: t.value for t in d.tags}.get("mlflow.data.context") == "training"]
+        assert training, r.info.run_name
+        ds = training[0]
+        source = json.loads(ds.source)["uri"]
+        assert ds.digest == file_md5(workdir / source)  # DVC 3's hash of that file
+    curated = [d.dataset for r in runs if r.info.run_name.startswith("curate:") for d in r.inputs.dataset_inputs]
+    assert {d.name for d in curated} == set(pl.read_csv(workdir / "reports" / "curation.csv")["variant"])
+    # the models, logged by reference with their metrics
+    models = client.search_logged_models([exp.experiment_id], max_results=1000)
+    train = pl.read_csv(workdir / "reports" / "train.csv")
+    trained = [m for m in models if m.model_type == "scalelab-trained"]
+    compressed = [m for m in models if m.model_type == "scalelab-compressed"]
+    assert len(trained) == train.height and compressed
+    assert all({"val_loss", "ppl"} <= {x.key for x in m.metrics} for m in trained)
+    assert all({"val_loss", "bits_per_weight"} <= {x.key for x in m.metrics} for m in compressed)
+    assert any(x.key.startswith("acc_") for m in trained for x in m.metrics)
+    # one alias per series and token budget
+    for series in set(train["variant"]):
+        for tokens in set(train["tokens"]):
+            version = client.get_model_version_by_alias(series, f"best-{tokens}")
+            best = train.filter((pl.col("variant") == series) & (pl.col("tokens") == tokens)).sort("val_loss")
+            assert client.get_logged_model(version.model_id).tags["scalelab.model_key"] == f"{series}/{best['run'][0]}"
+
+
+def test_prefect_artifacts_link_each_stage_to_its_mlflow_run(ci_run):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def latest(key):
+        async with get_client() as client:
+            found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+            return found[-1] if found else None
+
+    for stage in ("prepare", "curation", "train", "compress", "sparse-eval", "evaluate", "fit"):
+        art = asyncio.run(latest(f"{stage}-ci"))
+        assert art is not None, stage
+        assert "/#/experiments/" in (art.description or art.data), stage
 
 
 def test_summary_headline_metrics_and_file_modes(ci_run):

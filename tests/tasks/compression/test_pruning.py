@@ -97,7 +97,7 @@ def test_prune_rows_dense_pruned_and_recovered():
                       log=lambda s, p, m: logged.append(s))
     assert [(r["setting"], r["recovery_loss"]) for r in rows] == [
         ("dense", "none"), ("e", "none"), ("e", "csd"), ("e", "kl"), ("c", "none"), ("c", "csd"), ("c", "kl")]
-    assert logged == ["dense", "e", "e+csd", "e+kl", "c", "c+csd", "c+kl"]
+    assert logged == ["dense", "e", "e+csd+random", "e+kl+random", "c", "c+csd+random", "c+kl+random"]
     dense, pruned = rows[0], rows[1]
     assert dense["removed_fraction"] == 0 and dense["params"] > pruned["params"]
     assert pruned["removed"] == "2"  # the identity layer
@@ -107,6 +107,7 @@ def test_prune_rows_dense_pruned_and_recovered():
     assert pruned["ppl"] == pytest.approx(dense["ppl"], rel=1e-5)
     for r in rows[2:4]:
         assert r["recovery_tokens"] == 2 * 2 * 32 and r["data_select"] == "random" and np.isfinite(r["ppl"])
+        assert r["recovery_windows"] == 512 // 32  # budget 1: every candidate window
     assert all(r["model"] == "tiny" for r in rows)
     assert len(model.model.layers) == 4  # the input model is left unchanged
 
@@ -115,3 +116,30 @@ def test_largest_per_variant():
     rows = [{"variant": "raw", "run": "a", "n_params": 10, "tokens": 5}, {"variant": "raw", "run": "b", "n_params": 20, "tokens": 1},
             {"variant": "raw", "run": "c", "n_params": 20, "tokens": 9}, {"variant": "dedup", "run": "d", "n_params": 3, "tokens": 1}]
     assert [r["run"] for r in largest_per_variant(rows)] == ["c", "d"]
+
+
+def test_recovery_runs_and_budget():
+    rc = RecoveryConfig(losses=("csd", "kl"), data_select=("random", "paser"), budget=0.25)
+    assert rc.runs() == [("csd", "random"), ("kl", "random"), ("csd", "paser")]
+    with pytest.raises(ValueError, match="budget.*must be < 1 to compare selectors"):
+        RecoveryConfig(data_select=("random", "paser"), budget=1.0)
+    with pytest.raises(ValueError, match="data_select"):
+        RecoveryConfig(data_select=("best",))
+
+
+def test_prune_rows_with_paser_selects_the_budget(monkeypatch):
+    import tasks.curation.ddcf as ddcf
+
+    # the sentence encoder is tested with DDCF; here the windows' "text" is their token histogram
+    monkeypatch.setattr(ddcf, "question_embeddings",
+                        lambda texts: np.stack([np.bincount(list(map(int, t.split())), minlength=VOCAB) for t in texts])
+                        .astype(np.float32))
+    model = tiny_llama(4)
+    rc = RecoveryConfig(losses=("csd",), data_select=("random", "paser"), budget=0.25, steps=1, batch_size=2,
+                        seq_len=16, tokens=512)
+    rows = prune_rows(model, settings=PruningConfig(settings=SETTINGS, enabled=("c",)).methods(), recovery=rc,
+                      calib=tokens(256, 1), train=tokens(512, 3), val=tokens(257, 4), seq_len=32, batch_size=4,
+                      eval_tokens=256, base_row={}, texts=lambda w: [" ".join(map(str, r.tolist())) for r in w])
+    rec = [r for r in rows if r["recovery_loss"] != "none"]
+    assert [(r["recovery_loss"], r["data_select"]) for r in rec] == [("csd", "random"), ("csd", "paser")]
+    assert all(r["recovery_windows"] == 8 for r in rec)  # 0.25 of 32 windows
