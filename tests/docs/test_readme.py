@@ -292,7 +292,15 @@ def check_dvc_metrics(sh: Shell, cmd: Command) -> None:
 
 def check_dvc_plots(sh: Shell, cmd: Command) -> None:
     sh.ok(substituted(cmd))
-    assert (sh.cwd / "dvc_plots" / "index.html").exists()
+    page = (sh.cwd / "dvc_plots" / "index.html").read_text(encoding="utf-8")
+    # "offline": the template .dvc/config names inlines Vega; no script comes from the network
+    assert "vegaEmbed(" in page and not re.search(r"<script[^>]*\ssrc=", page), "dvc plots show's page loads scripts"
+
+
+def check_report(sh: Shell, cmd: Command) -> None:
+    out = sh.ok(substituted(cmd)).stdout
+    assert "What this run found" in out and "Scaling laws" in out, out[-2000:]
+    assert "Scaling laws" in (sh.cwd / "reports" / "summary.md").read_text(encoding="utf-8")
 
 
 def check_eval_tasks(sh: Shell, cmd: Command) -> None:
@@ -402,6 +410,7 @@ CHECKS = [
     Check(r"make ui", check_mlflow_ui),
     Check(r"\.venv/bin/dvc metrics show", check_dvc_metrics),
     Check(r"\.venv/bin/dvc plots show", check_dvc_plots),
+    Check(r"\.venv/bin/scalelab report", check_report),
     Check(r"\.venv/bin/scalelab eval tasks .*", check_eval_tasks),
     Check(r"\.venv/bin/scalelab run all --preset \w+", check_run_all),
     Check(r"\.venv/bin/scalelab run all --preset \w+ --workdir \S+", None,
