@@ -23,6 +23,8 @@ from typing import Any
 
 import polars as pl
 
+from tasks.scaling.report import _file_safe  # the fit stage's plot names: loss_vs_compute_<series>.png
+
 # What each stage writes that the summary reads, and the command that writes it.
 REPORT_FILES: dict[str, str] = {
     "prepare.json": "prepare",
@@ -179,10 +181,6 @@ def trained_series(reports: Reports) -> list[str]:
     return sorted(n for n in fits if "+" not in n)
 
 
-def _file_safe(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
-
-
 def _existing(reports: Reports, names: Iterable[str]) -> list[str]:
     return [n for n in names if (reports.folder / n).exists()]
 
@@ -224,7 +222,7 @@ def law_section(reports: Reports) -> tuple[Section, list[str]]:
     sec.plots = _existing(reports, [f"plots/loss_vs_compute_{_file_safe(n)}.png" for n in series])
     headline.append(f"Laws: {len(identified)} of {len(series)} identified"
                     + (f" ({', '.join(identified)})." if identified else
-                       " — the ladder cannot pin α and β down; read the laws as descriptions, not predictions."))
+                       " (reasons below): read them as descriptions of this ladder, not as predictions."))
     return sec, headline
 
 
@@ -250,7 +248,10 @@ def winner_section(reports: Reports) -> tuple[Section, list[str]]:
                              f"{_delta(cmp['diff'][j])} [{_delta(cmp['diff_ci_low'][j])}, {_delta(cmp['diff_ci_high'][j])}]",
                              _fmt(cmp["p_holm"][j]), verdict])
             winner = cmp["better"][j]
-            if winner:
+            if not winner:
+                headline.append(f"By the laws at C = {_fmt(cmp['compute'][j])}: {cmp['x']} and {cmp['y']} are not "
+                                f"distinguishable (Δ {sec.rows[-1][2]}, Holm p = {_fmt(cmp['p_holm'][j])}).")
+            else:
                 loser = cmp["y"] if winner == cmp["x"] else cmp["x"]
                 d = abs(cmp["diff"][j])
                 lo, hi = sorted(abs(v) for v in (cmp["diff_ci_low"][j], cmp["diff_ci_high"][j]))

@@ -96,6 +96,12 @@ def test_identified_laws_are_compared_with_the_difference_and_its_interval(tmp_p
     assert "1 further laws for compressed / sparse series (0 identified)" in md
 
 
+def test_identified_laws_that_do_not_differ_are_said_to_be_not_distinguishable(tmp_path: Path):
+    reports = make_reports(tmp_path / "reports", comparisons=[comparison("dedup", "raw", 0.01, -0.02, 0.04, 0.3)])
+    assert ("By the laws at C = 1e+12: dedup and raw are not distinguishable (Δ +0.01 [-0.02, +0.04], Holm p = 0.3)."
+            in build_summary(load_reports(reports)).headline)
+
+
 def test_a_law_that_is_not_identified_says_why_and_is_not_compared(tmp_path: Path):
     reports = make_reports(tmp_path / "reports", identified=(True, False))
     summary = build_summary(load_reports(reports))
