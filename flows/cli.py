@@ -46,6 +46,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=("ci", "demo", "full"), help="default: pipeline.preset in params/pipeline.yaml")
 
 
+def _text_args(p: argparse.ArgumentParser, calib: int | None) -> None:
+    p.add_argument("--text", type=Path, help="Parquet/JSONL with a `text` column (last tenth = validation); "
+                   "default: the embedded corpus's prepared splits")
+    if calib is not None:
+        p.add_argument("--calib-tokens", type=int, default=calib, help="training tokens the method scores on")
+    p.add_argument("--eval-tokens", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=128 if calib is None else 256)
+    if calib is not None:
+        p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scalelab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +102,31 @@ def build_parser() -> argparse.ArgumentParser:
     mb.add_argument("--sizes", required=True, help="comma-separated subset sizes, e.g. 10,25,50,100,250")
     mb.add_argument("--out", required=True, type=Path)
     mb.add_argument("--root", default=".")
+
+    pr = sub.add_parser("prune", help="prune any local model with one method (entrodrop, cosine_drop, ...): "
+                        "a smaller from_pretrained folder and its perplexity before and after")
+    pr.add_argument("--model", required=True, help="a trained model folder, a from_pretrained folder, or `smollm2`")
+    pr.add_argument("--method", required=True, help="a registered pruning method (entrodrop, cosine_drop, ...)")
+    pr.add_argument("--set", action="append", metavar="KEY=VALUE", help="a field of the method's config (repeatable)")
+    pr.add_argument("--out", required=True, type=Path)
+    _text_args(pr, calib=1024)
+    _common(pr)
+
+    di = sub.add_parser("distill", help="recover a pruned model by distillation from its teacher (CSD, KL, DLD) "
+                        "on random or PASER-selected windows")
+    di.add_argument("--teacher", required=True, help="the unpruned model (folder or `smollm2`)")
+    di.add_argument("--student", required=True, help="the pruned model folder (`scalelab prune --out`)")
+    di.add_argument("--loss", choices=("csd", "csd_cover", "kl", "dld"), default="csd")
+    di.add_argument("--data-select", choices=("random", "paser"), default="paser")
+    di.add_argument("--budget", type=float, default=0.25, help="share of the candidate windows trained on")
+    di.add_argument("--steps", type=int, default=20)
+    di.add_argument("--lr", type=float, default=1e-4)
+    di.add_argument("--batch-size", type=int, default=4)
+    di.add_argument("--tokens", type=int, default=16384, help="training tokens cut into candidate windows")
+    di.add_argument("--train-embeddings", action="store_true")
+    di.add_argument("--out", required=True, type=Path)
+    _text_args(di, calib=None)
+    _common(di)
 
     rep = sub.add_parser("report", help="what a finished workdir found: laws, winners, compression, sparsity, "
                          "downstream (rich tables; also rewrites reports/summary.md)")
@@ -155,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             from flows.evaluate import eval_tasks_command
 
             return eval_tasks_command(args, root)
+        if args.command in ("prune", "distill"):
+            from flows.prune import distill_command, prune_command
+
+            return (prune_command if args.command == "prune" else distill_command)(args, root)
         if args.command == "microbench":
             return _microbench(args)
         if args.command == "check-params":

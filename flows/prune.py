@@ -112,3 +112,160 @@ def prune_flow(
         run.log_metrics({"models": len(models) + len(cfg.pretrained), "rows": len(rows)})
         print(f"prune: {len(rows)} rows -> {ctx.layout.reports / 'pruning.csv'}")
         return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# `scalelab prune` and `scalelab distill`: one method on any local model, outside the pipeline
+
+
+def parse_options(pairs: list[str] | None, flag: str = "--set") -> dict[str, Any]:
+    """``["n_remove=2", "granularity=attention"]`` -> ``{"n_remove": 2, "granularity": "attention"}`` (values read as YAML)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} {pair!r}: expected key=value")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def command_text(tok: Any, root: Path, preset: str | None, text: Path | None, train_tokens: int, val_tokens: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, val)`` token streams in ``tok``'s vocabulary: from ``text`` (Parquet or JSONL with a
+    ``text`` column; the last tenth of its documents is the validation text), else the embedded
+    corpus's prepared train and validation splits (params/prepare.yaml under ``preset``)."""
+    import polars as pl
+
+    if text is not None:
+        if not text.exists():
+            raise FileNotFoundError(f"{text}: no such file")
+        frame = pl.read_parquet(text) if text.suffix == ".parquet" else pl.read_ndjson(text)
+        if "text" not in frame.columns:
+            raise ValueError(f"{text}: no `text` column (columns: {frame.columns})")
+        cut = max(1, frame.height * 9 // 10)
+        if frame.height < 2:
+            raise ValueError(f"{text}: needs at least 2 documents (one for validation), got {frame.height}")
+        train_frame, val_frame = frame[:cut], frame[cut:]
+    else:
+        from tasks.common.params import default_preset, load_stage_config
+        from tasks.curation.prepare import PrepareConfig, prepare_corpus
+
+        corpus = prepare_corpus(load_stage_config(PrepareConfig, root, "prepare", preset or default_preset(root)))
+        train_frame, val_frame = corpus.train, corpus.val
+
+    def encode(frame: pl.DataFrame, n: int) -> np.ndarray:
+        out: list[int] = []
+        texts = frame["text"].to_list()
+        for start in range(0, len(texts), 64):
+            for ids in tok.encode_batch(texts[start : start + 64], add_special_tokens=False):
+                out += [*ids, tok.eos_token_id]
+            if len(out) >= n:
+                break
+        return np.asarray(out[:n], dtype=np.int64)
+
+    return encode(train_frame, train_tokens), encode(val_frame, val_tokens + 1)
+
+
+def save_model(model: Any, tok: Any, out: Path, record: dict[str, Any]) -> Path:
+    """``model`` as a ``from_pretrained`` folder with its tokenizer and ``scalelab.json`` (``record``);
+    ``load_causal_lm(out)`` loads it back."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tasks.common.io import atomic_dir, write_json
+
+    inner = getattr(tok, "_tok", tok)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(str(tmp))
+        if hasattr(inner, "save_pretrained"):
+            inner.save_pretrained(str(tmp))
+        else:  # the ladder's tokenizers.Tokenizer
+            PreTrainedTokenizerFast(tokenizer_object=inner, eos_token=inner.id_to_token(tok.eos_token_id)).save_pretrained(str(tmp))
+        write_json(tmp / "scalelab.json", record)
+    return out
+
+
+def _ppl(model: Any, val: np.ndarray, seq_len: int, batch_size: int) -> float:
+    import math
+
+    from tasks.evaluation.loss import evaluate_loss
+
+    return math.exp(evaluate_loss(model, val, seq_len, batch_size))
+
+
+def prune_command(args: Any, root: Path) -> int:
+    """``scalelab prune --model SPEC --method NAME [--set key=value ...] --out DIR``."""
+    from tasks.common.config import to_dict
+    from tasks.common.models import load_causal_lm
+    from tasks.compression.pruning import PRUNERS, forward_flops_per_token, n_params, prune
+
+    options = parse_options(args.set)
+    (_, cfg), = PRUNERS.parse_settings({args.method: {"method": args.method, **options}}, "--set", prefix="--set").values()
+    set_process_threads(args.threads)
+    model, tok, meta = load_causal_lm(args.model)
+    train, val = command_text(tok, root, args.preset, args.text, args.calib_tokens, args.eval_tokens)
+    result = prune(model, cfg, calib_tokens=train)
+    before, after = _ppl(model, val, args.seq_len, args.batch_size), _ppl(result.model, val, args.seq_len, args.batch_size)
+    record = {"source": meta.get("source", str(args.model)), "method": args.method, "config": to_dict(cfg),
+              "result": result.meta(), "ppl_before": before, "ppl_after": after, "eval_tokens": len(val) - 1,
+              "params_before": n_params(model), "params_after": n_params(result.model),
+              "flops_per_token_before": forward_flops_per_token(model, args.seq_len),
+              "flops_per_token_after": forward_flops_per_token(result.model, args.seq_len)}
+    print(f"{args.method}: params {record['params_before']:,} -> {record['params_after']:,}, "
+          f"ppl {before:.2f} -> {after:.2f} on {len(val) - 1} tokens")
+    from tasks.compression.block_pruning import RemovedBlock
+
+    if any(isinstance(m, RemovedBlock) for m in result.model.modules()):
+        print("note: attention/MLP sub-blocks were removed; such a model does not load through from_pretrained, "
+              f"so only {args.out / 'scalelab.json'} is written (use granularity=layer for a loadable folder)")
+        from tasks.common.io import write_json
+
+        write_json(args.out / "scalelab.json", record)
+    elif args.method == "inhernet":
+        from tasks.compression.inhernet import save_inhernet
+
+        save_inhernet(result.model, args.out, record)
+    else:
+        save_model(result.model, tok, args.out, record)
+    print(f"-> {args.out}")
+    return 0
+
+
+def distill_command(args: Any, root: Path) -> int:
+    """``scalelab distill --teacher SPEC --student DIR --loss csd --data-select paser --out DIR``."""
+    from tasks.common.config import to_dict
+    from tasks.common.models import load_causal_lm
+    from tasks.compression.distill import recover, token_windows
+    from tasks.compression.pruning import RecoveryConfig, select_windows
+
+    rc = RecoveryConfig(losses=(args.loss,), data_select=(args.data_select,), budget=args.budget, steps=args.steps,
+                        lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, tokens=args.tokens)
+    set_process_threads(args.threads)
+    teacher, tok, _ = load_causal_lm(args.teacher)
+    student, stok, smeta = load_causal_lm(args.student)
+    if teacher.get_input_embeddings().weight.shape[0] != student.get_input_embeddings().weight.shape[0]:
+        raise ValueError(f"--student {args.student}: its vocabulary differs from the teacher's")
+    train, val = command_text(tok, root, args.preset, args.text, args.tokens, args.eval_tokens)
+    windows = token_windows(train, rc.seq_len)
+    k = max(1, round(rc.budget * len(windows)))
+    embeddings = None
+    if args.data_select == "paser" and k < len(windows):
+        from tasks.curation.ddcf import question_embeddings
+
+        embeddings = question_embeddings(tok.decode_batch(windows.tolist()))
+    chosen = select_windows(args.data_select, teacher, student, windows, k, rc, embeddings)
+    before = _ppl(student, val, args.seq_len, 4)
+    if not args.train_embeddings:
+        student.get_input_embeddings().weight.requires_grad_(False)
+        student.get_output_embeddings().weight.requires_grad_(False)
+    curve = recover(student, teacher, windows[chosen], rc.distill(args.loss))
+    after = _ppl(student.eval(), val, args.seq_len, 4)
+    record = {"teacher": str(args.teacher), "student": smeta.get("source", str(args.student)), "recovery": to_dict(rc),
+              "windows": len(chosen), "candidates": len(windows), "tokens": curve.tokens, "losses": curve.losses,
+              "ppl_before": before, "ppl_after": after, "eval_tokens": len(val) - 1}
+    print(f"{args.loss} on {len(chosen)} of {len(windows)} windows ({args.data_select}), {args.steps} steps: "
+          f"ppl {before:.2f} -> {after:.2f}")
+    save_model(student, stok, args.out, record)
+    print(f"-> {args.out}")
+    return 0
