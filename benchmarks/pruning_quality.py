@@ -1,7 +1,7 @@
 """Block-pruning quality: EntroDrop against cosine_drop at equal removed layers, then recovery by CSD against forward KL.
 
 Run: ``.venv/bin/python benchmarks/pruning_quality.py [--model smollm2] [--model WORKDIR/models/trained/<variant>/<run>]
-[--remove 2 4] [--granularity layer] [--estimator knn] [--losses csd kl] [--steps 6] [--eval-tokens 2048] [--out reports/bench]``
+[--methods entrodrop cosine_drop gradpruner inhernet] [--remove 2 4] [--granularity layer] [--estimator knn] [--losses csd kl] [--steps 6] [--eval-tokens 2048] [--out reports/bench]``
 
 For each model (SmolLM2-135M on the news articles of the prepared validation split, scored and
 recovered on news of the training split, as in benchmarks/quant_quality.py; a ladder model on its
@@ -14,6 +14,19 @@ the mode-seeking instance, ``csd_cover`` the mode-covering one) and measured aga
 logits on those windows are computed once and shared by every run. Prints the table and checks the
 goals of issue 11: EntroDrop no worse than cosine_drop at equal removed blocks, CSD recovering at
 least as much as forward KL. Writes ``<out>/pruning_quality_<model>.csv``.
+
+``--methods`` picks the methods (default the two block-scoring ones). ``gradpruner`` removes the same
+number of whole layers by its IGIA-Matrix (``GradPrunerConfig`` defaults, its fine-tuning steps on the
+calibration windows) and merges them into their neighbours; ``inhernet`` / ``inhernet_spectrum``
+(uniform / spectrum rank allocation) keep every layer and factor the decoder linears down to the
+parameter count of the model with ``n`` layers removed, so each ``--remove n`` row compares methods
+at (nearly) equal size. Measured on SmolLM2-135M, ``--methods gradpruner inhernet inhernet_spectrum
+--remove 2 --losses csd --steps 6`` (dense ppl 40.51): GradPruner removed layers 25 and 26 (merged
+into 24), ppl 87.89, 72.28 after CSD; InherNet at 127.2M parameters (ranks 120-360, 92% of the
+spectral energy kept) ppl 5.2e7, 2.8e6 after CSD; spectrum allocation 2.7e6, 7478 after CSD. A
+factored pair only saves parameters below rank mn/(m+n) (288 for SmolLM2's 576x576), so even a 5%
+smaller student truncates about half of every matrix's spectrum, which plain SVD of a trained LLM
+does not survive without long distillation. 15.5 min of CPU (19.8 min wall on 2 shared cores).
 """
 
 from __future__ import annotations
@@ -44,11 +57,15 @@ from tasks.compression.block_pruning import (  # noqa: E402
     prune_by_scores,
 )
 from tasks.compression.distill import DistillConfig, recover, token_windows  # noqa: E402
+from tasks.compression.gradpruner import GradPrunerConfig, gradpruner  # noqa: E402
+from tasks.compression.inhernet import InherNetConfig, inhernet  # noqa: E402
 from tasks.compression.pruning import RECOVERY_LOSSES, CachedTeacher  # noqa: E402
 from tasks.evaluation.loss import evaluate_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = RECOVERY_LOSSES
+METHODS = ("entrodrop", "cosine_drop", "gradpruner", "inhernet", "inhernet_spectrum")
+SCORED = ("entrodrop", "cosine_drop")  # score every block once, then remove the n lowest for each --remove n
 
 
 def goals(rows: list[dict]) -> list[str]:
@@ -87,6 +104,8 @@ def run_model(spec: str, args) -> list[dict]:
     base = dict(n_remove=1, granularity=args.granularity, seq_len=min(seq_len, args.calib_seq_len),
                 calib_windows=args.calib_windows)
     configs = {"entrodrop": EntroDropConfig(estimator=args.estimator, **base), "cosine_drop": CosineDropConfig(**base)}
+    configs = {m: c for m, c in configs.items() if m in args.methods}
+    layer_params = n_params(model.model.layers[0])
     scores = {}
     for method, cfg in configs.items():
         t = time.perf_counter()
@@ -98,17 +117,32 @@ def run_model(spec: str, args) -> list[dict]:
 
     teacher = CachedTeacher(model)
     windows = token_windows(recovery, args.recovery_seq_len)
+
+    def prune(method: str, n: int):
+        """The ``--remove n`` result of ``method`` and what it removed (layers, or InherNet's ranks)."""
+        if method in SCORED:
+            pruned = prune_by_scores(model, scores[method], dataclasses.replace(configs[method], n_remove=n))
+            return pruned, " ".join(map(str, pruned.removed))
+        if method == "gradpruner":
+            cfg = GradPrunerConfig(n_remove=n, seq_len=min(seq_len, args.calib_seq_len), calib_windows=args.calib_windows)
+            pruned = gradpruner(model, cfg, calib_tokens=calib)
+            return pruned, " ".join(f"{l}->{pruned.merged_into.get(l, '-')}" for l in pruned.removed)
+        allocation = "spectrum" if method == "inhernet_spectrum" else "uniform"
+        inh = inhernet(model, InherNetConfig(target_params=params - n * layer_params, allocation=allocation))
+        return inh, (f"none; ranks {min(inh.ranks.values())}-{max(inh.ranks.values())}, "
+                     f"energy {inh.meta()['mean_energy']:.3f}")
+
     for n in args.remove:
-        for method, cfg in configs.items():
+        for method in args.methods:
             t = time.perf_counter()
-            pruned = prune_by_scores(model, scores[method], dataclasses.replace(cfg, n_remove=n))
+            pruned, removed = prune(method, n)
             p = ppl(pruned.model)
             row = {"model": name, "method": method, "granularity": args.granularity, "removed_blocks": n,
-                   "removed": " ".join(map(str, pruned.removed)), "params": pruned.params_after,
+                   "removed": removed, "params": pruned.params_after,
                    "removed_fraction": pruned.params_removed / params}
             rows.append(row | {"recovery_loss": "none", "recovery_steps": 0, "recovery_tokens": 0, "ppl": p,
                                "seconds": round(time.perf_counter() - t, 1)})
-            print(f"[{name}] {method} -{n} (layers {pruned.removed}): ppl {p:.2f} ({time.perf_counter() - t:.0f}s)", flush=True)
+            print(f"[{name}] {method} -{n} (removed {removed}): ppl {p:.2f} ({time.perf_counter() - t:.0f}s)", flush=True)
             for loss in args.losses:
                 t = time.perf_counter()
                 student = copy.deepcopy(pruned.model)
@@ -134,7 +168,7 @@ def run_model(spec: str, args) -> list[dict]:
     print(f"\n| {name}: ppl (dense {dense:.2f}), {args.granularity} blocks | removed | params | pruned | "
           + " | ".join(f"+{c} x{args.steps}" for c in args.losses) + " |\n|---|---|---|---|" + "---|" * len(args.losses))
     for n in args.remove:
-        for method in configs:
+        for method in args.methods:
             by = {r["recovery_loss"]: r for r in rows if r["method"] == method and r["removed_blocks"] == n}
             r0 = by["none"]
             print(f"| {method} -{n} | {r0['removed']} | {r0['params'] / 1e6:.1f}M | "
@@ -149,6 +183,8 @@ def run_model(spec: str, args) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", help="smollm2 or a trained model folder (repeatable; default smollm2)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(SCORED),
+                   help="methods compared (gradpruner removes whole layers; inhernet matches the size of n layers removed)")
     p.add_argument("--remove", type=int, nargs="+", default=[2, 4], help="blocks removed (one run per count)")
     p.add_argument("--granularity", choices=["layer", "attention", "mlp"], default="layer")
     p.add_argument("--estimator", choices=["knn", "histogram"], default="knn", help="EntroDrop's entropy estimator")
@@ -167,6 +203,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "reports" / "bench"))
     args = p.parse_args()
+    if args.granularity != "layer" and set(args.methods) - set(SCORED):
+        p.error(f"--granularity {args.granularity}: gradpruner and inhernet work on whole layers (--granularity layer)")
     for spec in args.model or ["smollm2"]:
         run_model(spec, args)
     return 0
