@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
@@ -53,10 +53,12 @@ class FilterResult:
     ``reasons``: Utf8, one per document; null = keep, else ``"<filter>.<rule>"``.
     ``texts``: the edited documents when the filter rewrites them (C4 line removal), else None;
     dropped documents keep their original text there.
+    ``stats``: flat integer counters a step reports beside its reasons (PII replacements per kind).
     """
 
     reasons: pl.Series
     texts: pl.Series | None = None
+    stats: dict[str, int] = field(default_factory=dict)
 
     @property
     def keep(self) -> pl.Series:

@@ -5,6 +5,8 @@ A :class:`Recipe` is a tuple of :class:`Step` s, each exactly one of
 * ``exact_dedup: {}`` — drop exact duplicates (``tasks.curation.dedup.exact_duplicates``);
 * ``minhash: {threshold: 0.8, ...}`` — MinHash-LSH near-duplicate removal (``MinHashConfig``);
 * any filter in ``tasks.curation.filters.FILTERS`` (``gopher_quality: {}``, ``c4_quality: {...}``, ...);
+* a crawl filter in ``tasks.curation.crawl.CRAWL_FILTERS`` (``language_id: {languages: [en]}``,
+  ``pii: {}``, ``url_filter: {blocklist_file: ...}``);
 * ``rewrite: {style: hq, budget: 200}`` — LLM rewrites (:mod:`tasks.curation.rewrite`);
 * ``mix: {rewritten: 0.67}`` — keep rewritten and original text at a token ratio.
 
@@ -36,6 +38,7 @@ import numpy as np
 import polars as pl
 
 from tasks.common.config import require
+from tasks.curation.crawl import CRAWL_FILTERS
 from tasks.curation.dedup import MinHashConfig, exact_duplicates, minhash_duplicates
 from tasks.curation.decontam import DecontaminationConfig, ValDecontaminator
 from tasks.curation.filters import FILTERS, FilterResult
@@ -103,6 +106,7 @@ _GLOBAL_KINDS = ("exact_dedup", "minhash", "rewrite", "mix")
 def _step_fields() -> list[tuple[str, Any, Any]]:
     kinds: list[tuple[str, type]] = [("exact_dedup", ExactDedupStep), ("minhash", MinHashConfig)]
     kinds += [(name, cfg_cls) for name, (cfg_cls, _fn) in FILTERS.items()]
+    kinds += [(name, cfg_cls) for name, (cfg_cls, _fn) in CRAWL_FILTERS.items()]
     kinds += [("rewrite", RewriteStep), ("mix", MixStep)]
     # Annotated as the bare config class (default None) rather than ``cls | None``: from_mapping
     # then reports a bad setting by its own key instead of "expected X or NoneType".
@@ -377,8 +381,12 @@ def apply_step(
         kept, dropped, mix_stats = mix_rewritten(docs, cfg, token_count=token_count)
         info.update(mix_stats)
     else:
-        _cfg_cls, fn = FILTERS[kind]
-        result = filter_cache.apply(kind, cfg, docs["text"]) if filter_cache is not None else fn(docs["text"], cfg)
+        if kind in CRAWL_FILTERS:  # they read the frame (url as well as text), so no text-keyed cache
+            result = CRAWL_FILTERS[kind][1](docs, cfg)
+        else:
+            _cfg_cls, fn = FILTERS[kind]
+            result = filter_cache.apply(kind, cfg, docs["text"]) if filter_cache is not None else fn(docs["text"], cfg)
+        info.update(result.stats)
         reasons = result.reasons.cast(pl.Utf8)
         edited = docs
         if result.texts is not None:
