@@ -375,7 +375,9 @@ def apply_step(
         )
         dropped = _dropped(docs.head(0), "")
         failed = res.filter(~pl.col("rewritten"))
-        info.update(rewrite_attempted=res.height, rewrite_ok=ok.height,
+        # Documents still without a successful rewrite (budget or per-run cap spent, or failed):
+        # a resumable runner must not mark this step done while this is above 0.
+        info.update(rewrite_attempted=res.height, rewrite_ok=ok.height, rewrite_pending=docs.height - ok.height,
                     rewrite_failed_by_reason=dict(sorted((r, int(c)) for r, c in failed.group_by("error").len().iter_rows())))
     elif kind == "mix":
         kept, dropped, mix_stats = mix_rewritten(docs, cfg, token_count=token_count)

