@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     cur.add_argument("--recipe-file", type=Path, help="YAML with a `curation:` section (default: params/curation.yaml)")
     cur.add_argument("--workers", type=int, default=2)
     cur.add_argument("--runner", choices=("local", "ray"), default="local")
+    # Override curation.rewrite from the recipe file for recipes with a rewrite step.
+    cur.add_argument("--rewrite-kind", choices=("local", "openai"), help="rewrite generator (default: curation.rewrite.kind)")
+    cur.add_argument("--base-url", help="OpenAI-compatible server for --rewrite-kind openai")
+    cur.add_argument("--model", help="model name the server serves (openai) or a local model folder (local)")
     _common(cur)
 
     fit = sub.add_parser("fit", help="fit L(N, D) to a CSV of N, D, loss[, variant]")
@@ -267,11 +271,18 @@ def _report(workdir: Path) -> int:
 def _curate(args: argparse.Namespace, root: Path) -> int:
     from flows.curate import curate_any
 
+    rewrite = {"kind": args.rewrite_kind, "base_url": args.base_url}
+    if args.model:  # a local model is a folder; a served one is a name
+        local = (args.rewrite_kind or "local") == "local"
+        rewrite |= {"model_dir": args.model, "gguf_file": None, "model": Path(args.model).name} if local else {"model": args.model}
     stats = curate_any(
         inputs=args.input, out=args.out, recipe=args.recipe, recipe_file=args.recipe_file,
-        root=root, preset=args.preset, workers=args.workers, runner=args.runner,
+        root=root, preset=args.preset, workers=args.workers, runner=args.runner, rewrite=rewrite,
     )
     print(f"kept {stats.get('docs_kept')} of {stats.get('docs_in')} documents -> {args.out}")
+    if stats.get("run", {}).get("rewrite_pending"):
+        print(f"{stats['run']['rewrite_pending']} documents still to rewrite (budget or max_docs_per_run spent): "
+              "run the same command again to resume")
     return 0
 
 

@@ -121,24 +121,87 @@ def load_recipe(recipe: str, recipe_file: Path | None, root: Path, preset: str |
 def curate_any(
     *, inputs: list[Path], out: Path, recipe: str, recipe_file: Path | None, root: Path,
     preset: str | None = None, workers: int = 2, runner: str = "local",
+    rewrite: dict | None = None, generator=None,
 ) -> dict:
     """``scalelab curate``: one recipe over any JSONL/Parquet corpus, sharded and resumable.
 
     ``out`` has one writer at a time (:func:`tasks.common.lock.workdir_lock`); temporaries a killed
     run left there are removed first, and its finished shards are reused.
+
+    A recipe with a rewrite step gets a :class:`DocumentRewriter` built from the recipe file's
+    ``curation.rewrite`` section with ``rewrite`` applied over it (the CLI's ``--rewrite-kind``,
+    ``--base-url``, ``--model`` as ``kind``/``base_url``/``model``); ``generator`` replaces the
+    generator it describes (tests). Rewrites are cached in ``out/rewrite_cache/rewrites.parquet``
+    under their generator key. While documents are left to rewrite (budget or
+    ``max_docs_per_run`` spent), the rewrite segment and the ones after it are reopened, so the
+    next run resumes generating instead of reusing a half-done step; ``run.rewrite_pending`` in
+    the result counts them. Token statistics (and mix ratios) use the pipeline's BPE tokenizer when
+    ``root/data/tokenizer/tokenizer.json`` exists, else whitespace words; ``token_count`` in the
+    result says which.
     """
+    import dataclasses
+
     from tasks.common.io import clean_temporaries
     from tasks.common.lock import workdir_lock
+    from tasks.common.io import read_json
+    from tasks.curation.crawl import token_counter
+    from tasks.curation.rewrite import generator_key
     from tasks.curation.sharded import check_inputs, curate_corpus
 
     cfg, chosen = load_recipe(recipe, recipe_file, root, preset)
+    gen_cfg = None
+    if chosen.needs_rewriter:  # build (and validate) the generator config before touching `out`
+        try:
+            gen_cfg = dataclasses.replace(cfg.rewrite, **{k: v for k, v in (rewrite or {}).items() if v is not None})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{recipe_file or root / 'params' / 'curation.yaml'}: curation.rewrite: {exc}") from None
     check_inputs(inputs)  # before the lock creates `out`: refused input leaves nothing behind
     executor = None
     if runner == "ray":
         from flows.ray_executor import RayExecutor
 
         executor = RayExecutor()
+    token_count = token_counter(root / "data" / "tokenizer" / "tokenizer.json")
     with workdir_lock(out) as lock:
         if lock.fresh:
             clean_temporaries(out)
-        return curate_corpus(inputs, out, chosen, n_workers=workers, shard_docs=cfg.shard_docs, executor=executor)
+        rewriter = None
+        cache = out / "rewrite_cache" / "rewrites.parquet"
+        if gen_cfg is not None:
+            previous = pl.read_parquet(cache) if cache.exists() else None
+            rewriter = DocumentRewriter.from_config(gen_cfg, previous=previous, generator=generator)
+            # The sharded engine's fingerprint covers the recipe and inputs, not the generator: parts
+            # made under another generator key are reopened so the new one rewrites.
+            keys = {s.settings.style: generator_key(gen_cfg, s.settings.style) for s in chosen.steps if s.kind == "rewrite"}
+            used = out / "rewrite_cache" / "generator_keys.json"
+            if used.exists() and read_json(used) != keys:
+                reopen_rewrite_segments(out / ".shards")
+            write_json(used, keys)
+        try:
+            stats = curate_corpus(inputs, out, chosen, n_workers=workers, shard_docs=cfg.shard_docs,
+                                  executor=executor, rewriter=rewriter, token_count=token_count)
+        finally:
+            if rewriter is not None:  # keep finished generations even if a step failed
+                write_parquet(cache, rewriter.results)
+        pending = sum(s.get("rewrite_pending", 0) for s in stats.get("steps", []) if s.get("step") == "rewrite")
+        if pending:
+            reopen_rewrite_segments(out / ".shards")
+        stats["run"]["rewrite_pending"] = pending
+        stats["token_count"] = getattr(token_count, "path", None) or "whitespace_words"
+        return stats
+
+
+def reopen_rewrite_segments(parts: Path) -> list[Path]:
+    """Remove the sharded engine's finished parts from the rewrite segment on (``seg<k>-rewrite``
+    and every ``seg<j>*`` with ``j >= k``), so a rerun recomputes them from the rewrite cache.
+    Returns the folders removed."""
+    import shutil
+
+    rewrite_segs = sorted(parts.glob("seg*-rewrite"))
+    if not rewrite_segs:
+        return []
+    first = int(rewrite_segs[0].name[3:5])
+    removed = [f for f in sorted(parts.glob("seg*")) if f.is_dir() and int(f.name[3:5]) >= first]
+    for f in removed:
+        shutil.rmtree(f)
+    return removed
