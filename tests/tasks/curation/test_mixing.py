@@ -29,6 +29,8 @@ def fake_rewriter(covered: float = 1.0):
                      for i, t in enumerate(texts)],
             "rewritten": [i < n for i in range(len(ids))],
             "error": [None if i < n else "budget" for i in range(len(ids))],
+            "finish_reason": ["stop" if i < n else None for i in range(len(ids))],
+            "generator": ["fake"] * len(ids),
         }
         return pl.DataFrame(rows, schema=REWRITE_SCHEMA)
 
