@@ -130,3 +130,24 @@ def test_bpe_token_count(tmp_path):
     assert got[0] == len(tok.encode(EN, add_special_tokens=False).ids) and got[1:] == [0, 0]
     assert got[0] != whitespace_words(texts)[0]  # a real BPE count, not words
     assert token_counter(tmp_path / "absent.json") is whitespace_words
+
+
+def test_full_preset_crawl_clean_recipe_uses_every_crawl_filter():
+    from pathlib import Path
+
+    from tasks.common.params import load_stage_config
+    from tasks.curation.recipes import CurationConfig
+
+    cfg = load_stage_config(CurationConfig, Path(__file__).resolve().parents[3], "curation", "full")
+    recipe = cfg.recipe("crawl_clean")
+    assert "crawl_clean" in cfg.active
+    assert {"url_filter", "language_id", "pii"} <= {s.kind for s in recipe.steps}
+    body = " ".join([EN] * 8)
+    docs = frame([body + " Reach me at ann@site.example.", body.replace("budget", "casino night"), DE * 6,
+                  body + " Call (555) 123-4567."],
+                 ["https://city.example/a", "https://ads.doubleclick.net/b", "https://city.example/c", None])
+    res = run_recipe(docs, recipe)
+    reasons = dict(zip(res.dropped["id"], res.dropped["reason"]))
+    assert reasons["1"] == "url_filter.blocked_domain" and reasons["2"] == "language_id.other_language"
+    pii = next(s for s in res.stats["steps"] if s["step"] == "pii")
+    assert pii["pii.email"] == 1 and pii["pii.phone"] == 1
