@@ -14,7 +14,7 @@ from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.io import write_json
 from tasks.common.tracking import tracked_run
-from tasks.curation.ddcf import SelectConfig, run_arithmetic_setting
+from tasks.curation.ddcf import SelectConfig, run_arithmetic_setting, summarize
 
 
 @flow(name="select", log_prints=True)
@@ -36,6 +36,9 @@ def select_flow(
                              "pool_seed_accuracy": [float(a) for a in result.matrix.mean(1)]})
         run.log_artifact(summary, "reports")
         run.log_metrics(result.metrics)
+        # the mean over repeats per (target, method, k), as one stage-level metric each
+        run.log_metrics({f"accuracy.{r['target']}.{r['method']}.k{r['k']}": r["accuracy"]
+                         for r in summarize(result.rows).iter_rows(named=True)})
         for row in result.rows:
             name = f"select:{row['target']}:{row['method']}@{row['k']}" + (f"#{row['repeat']}" if row["repeat"] else "")
             params = {"stage": "select", "preset": ctx.preset, "setting": row["setting"], "target": row["target"],

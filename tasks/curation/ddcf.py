@@ -32,9 +32,9 @@ Choices where the paper is silent (each a field of :class:`SelectConfig`):
 * exact match of a greedy answer is computed in one teacher-forced pass: greedy decoding emits the
   gold answer and its end-of-text token iff the argmax at every answer position is the gold token
   (the first wrong argmax is where greedy decoding leaves the gold answer);
-* every selection is fine-tuned for the same number of optimizer steps (``finetune.steps``),
-  equal compute, cycling through a seeded permutation of the selected questions; the loss is on
-  the answer tokens (and end-of-text) only;
+* fine-tuning runs either the same number of optimizer steps for every selection (equal compute)
+  or the same number of epochs over it (``finetune.schedule``), cycling through seeded
+  permutations of the selected questions; the loss is on the answer tokens (and end-of-text) only;
 * annotation cost ``labels_used``: ``k`` gold answers for ``random`` and ``diversity``; ``k`` plus
   the target's ``n_seed`` seed answers for ``ddcf`` and ``difficulty``, which need the target's
   seed correctness; the pool size for ``full``; 0 for the untouched target (``base``);
@@ -101,7 +101,7 @@ class PoolConfig:
     shapes: tuple[str, ...] = ("d16_l1", "d32_l2")  # ladder tags d<d_model>_l<n_layers>
     ops: tuple[str, ...] = ("+", "-", "+-")          # the operations each run is trained on
     seeds: int = 1
-    snapshot_steps: tuple[int, ...] = (200, 600)
+    snapshot_steps: tuple[int, ...] = (300, 1000)
     lr: float = 1e-2
     batch_size: int = 64
 
@@ -150,14 +150,24 @@ class PredictorConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class FinetuneConfig:
-    """Fine-tuning of the target on a selection: the same ``steps`` for every selection."""
+    """Fine-tuning of the target on a selection of ``n`` questions.
 
-    steps: int = 200
-    lr: float = 3e-3
+    ``schedule: steps``: the same ``steps`` for every selection (equal compute; a small selection
+    is seen for many epochs). ``schedule: epochs``: ``ceil(epochs * n / batch_size)`` steps, at
+    most ``steps`` (equal passes over the data, as supervised fine-tuning usually runs).
+    """
+
+    schedule: Literal["steps", "epochs"] = "steps"
+    steps: int = 150
+    epochs: float = 3.0
+    lr: float = 1e-3
     batch_size: int = 32
+    cooldown_frac: float = 0.2   # linear decay to 0 over this share of the steps
 
     def __post_init__(self) -> None:
+        require(0 <= self.cooldown_frac <= 1, "cooldown_frac", f"must be in [0, 1], got {self.cooldown_frac}")
         require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+        require(self.epochs > 0, "epochs", f"must be positive, got {self.epochs}")
         require(self.lr > 0, "lr", f"must be positive, got {self.lr}")
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
 
@@ -173,12 +183,15 @@ class SelectConfig:
     n_test: int = 600          # held-out questions the fine-tuned target is scored on
     pool: PoolConfig = field(default_factory=PoolConfig)
     targets: tuple[str, ...] = ("d32_l2",)
-    target_pretrain_steps: int = 600
+    target_pretrain_steps: int = 400
+    target_cooldown_frac: float = 0.2
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
     lam: float = 0.2           # λ: weight of difficulty against redundancy
     k_fractions: tuple[float, ...] = (0.01, 0.05)
     methods: tuple[Method, ...] = METHODS
-    random_repeats: int = 1    # independent random selections per k
+    # Fine-tunes per (method, k): random draws a new selection each time, the other methods repeat
+    # theirs with another fine-tuning order (seed), so the spread from training order is measured too.
+    repeats: int = 1
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     seq_len: int = 32
     num_threads: int = 1
@@ -194,12 +207,14 @@ class SelectConfig:
             parse_shape(t, field="targets")
         require(self.target_pretrain_steps >= 0, "target_pretrain_steps",
                 f"must be >= 0, got {self.target_pretrain_steps}")
+        require(0 <= self.target_cooldown_frac <= 1, "target_cooldown_frac",
+                f"must be in [0, 1], got {self.target_cooldown_frac}")
         require(0.0 <= self.lam <= 1.0, "lam", f"must be in [0, 1], got {self.lam}")
         require(len(self.k_fractions) > 0 and all(0 < f < 1 for f in self.k_fractions), "k_fractions",
                 f"each must be in (0, 1), got {list(self.k_fractions)}")
         require(len(self.methods) > 0 and len(set(self.methods)) == len(self.methods), "methods",
                 f"need distinct methods from {list(METHODS)}, got {list(self.methods)}")
-        require(self.random_repeats >= 1, "random_repeats", f"must be >= 1, got {self.random_repeats}")
+        require(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
         longest = 2 * self.family.max_digits + 2 + self.family.max_digits + 2
         require(self.seq_len >= longest, "seq_len", f"must hold the longest question and answer ({longest}), "
                 f"got {self.seq_len}")
@@ -326,18 +341,26 @@ def exact_match(model: nn.Module, data: EncodedQA, batch_size: int = 512) -> np.
 
 
 def train_on_questions(model: nn.Module, sample: Callable[[int], EncodedQA], steps: int, *, lr: float,
-                       snapshots: Sequence[int] = (), on_snapshot: Callable[[int, nn.Module], None] | None = None,
-                       ) -> nn.Module:
-    """AdamW (betas 0.9/0.95, no weight decay) at constant ``lr`` after 10% linear warmup, on the
-    answer tokens of ``sample(step)``'s batch; ``on_snapshot(step, model)`` after each step in
-    ``snapshots``."""
+                       cooldown_frac: float = 0.0, snapshots: Sequence[int] = (),
+                       on_snapshot: Callable[[int, nn.Module], None] | None = None) -> nn.Module:
+    """AdamW (betas 0.9/0.95, no weight decay) on the answer tokens of ``sample(step)``'s batch:
+    10% linear warmup, constant ``lr``, then a linear cooldown to 0 over the last ``cooldown_frac``
+    of the steps (WSD, as the ladder); ``on_snapshot(step, model)`` after each step in ``snapshots``.
+
+    A target trained without a cooldown gains from any few low-lr steps whatever their data, which
+    would credit a selection with the annealing; the target and every fine-tune therefore cool down.
+    """
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, steps // 10)
+    decay_start = steps - int(round(cooldown_frac * steps))
     marks = set(snapshots)
     model.train()
     for step in range(1, steps + 1):
+        scale = min(1.0, step / warmup)
+        if step > decay_start:
+            scale = min(scale, (steps - step + 1) / (steps - decay_start + 1))
         for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, step / warmup)
+            g["lr"] = lr * scale
         batch = sample(step)
         loss = _answer_loss(model, batch.ids, batch.target_mask)
         opt.zero_grad(set_to_none=True)
@@ -352,8 +375,8 @@ def train_on_questions(model: nn.Module, sample: Callable[[int], EncodedQA], ste
 
 
 def finetune_on(model: nn.Module, data: EncodedQA, cfg: FinetuneConfig, seed: int) -> nn.Module:
-    """Fine-tune on the rows of ``data`` for ``cfg.steps`` steps, cycling through seeded
-    permutations of them (equal compute whatever the selection's size)."""
+    """Fine-tune on the rows of ``data`` for :func:`finetune_steps` steps, cycling through seeded
+    permutations of them."""
     n = data.ids.shape[0]
     rng = np.random.default_rng(seed)
     order: list[int] = []
@@ -365,7 +388,14 @@ def finetune_on(model: nn.Module, data: EncodedQA, cfg: FinetuneConfig, seed: in
         del order[: cfg.batch_size]
         return EncodedQA(ids=data.ids[idx], target_mask=data.target_mask[idx])
 
-    return train_on_questions(model, sample, cfg.steps, lr=cfg.lr)
+    return train_on_questions(model, sample, finetune_steps(cfg, n), lr=cfg.lr, cooldown_frac=cfg.cooldown_frac)
+
+
+def finetune_steps(cfg: FinetuneConfig, n: int) -> int:
+    """Optimizer steps for a selection of ``n`` questions under ``cfg.schedule``."""
+    if cfg.schedule == "steps":
+        return cfg.steps
+    return max(1, min(cfg.steps, math.ceil(cfg.epochs * n / cfg.batch_size)))
 
 
 def correctness_matrix(models: Sequence[nn.Module], data: EncodedQA) -> np.ndarray:
@@ -664,7 +694,7 @@ def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]]
         base = build_model(parse_shape(target_tag), vocab, cfg.seq_len + 1, seed=t_seed)
         if cfg.target_pretrain_steps:
             train_on_questions(base, _stream_sampler(tok, cfg.family, cfg.pool.batch_size, cfg.seq_len, t_seed),
-                               cfg.target_pretrain_steps, lr=cfg.pool.lr)
+                               cfg.target_pretrain_steps, lr=cfg.pool.lr, cooldown_frac=cfg.target_cooldown_frac)
         base_state = {k: v.clone() for k, v in base.state_dict().items()}
         target_seed_row = exact_match(base, enc["seed"]).astype(np.int8)
         matrix = np.vstack([pool_matrix, target_seed_row[None]])
@@ -700,12 +730,15 @@ def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]]
 
         for method in cfg.methods:
             if method == "full":
-                evaluate("full", cfg.n_pool, np.arange(cfg.n_pool), 0)
+                for rep in range(cfg.repeats):
+                    evaluate("full", cfg.n_pool, np.arange(cfg.n_pool), rep)
                 continue
             for k in ks:
-                for rep in range(cfg.random_repeats if method == "random" else 1):
-                    idx = select_questions(method, k, difficulty=difficulty, embeddings=emb_pool, lam=cfg.lam,
-                                           rng=np.random.default_rng([cfg.seed, ti, k, rep]))
+                idx = None
+                for rep in range(cfg.repeats):
+                    if idx is None or method == "random":
+                        idx = select_questions(method, k, difficulty=difficulty, embeddings=emb_pool, lam=cfg.lam,
+                                               rng=np.random.default_rng([cfg.seed, ti, k, rep]))
                     evaluate(method, k, idx, rep)
         base.load_state_dict(base_state)
     return SettingResult(rows=rows, metrics=metrics, matrix=pool_matrix)
