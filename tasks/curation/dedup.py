@@ -16,7 +16,10 @@ around (1/b)^(1/r) (≈ 0.72 for datatrove's 14 × 8).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -116,18 +119,31 @@ def _duplicate_of(ids: pl.Series, rep: np.ndarray) -> pl.Series:
     )["duplicate_of"].cast(pl.Utf8)
 
 
-def exact_duplicates(texts: pl.Series, ids: pl.Series) -> pl.Series:
+def exact_digests(texts: pl.Series) -> pl.Series:
+    """Hex blake2b-128 digest of each :func:`normalise_for_hash` text (stable across runs and
+    library versions, unlike polars' ``hash``), the key an exact-dedup index stores."""
+    norm = normalise_for_hash(texts).to_list()
+    return pl.Series("digest", [hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+                                for t in norm], dtype=pl.Utf8)
+
+
+def exact_duplicates(texts: pl.Series, ids: pl.Series, *, index: "DedupIndex | None" = None) -> pl.Series:
     """Exact duplicates after :func:`normalise_for_hash`.
 
-    Returns ``duplicate_of`` (Utf8, len(texts)): null for the first document (in input order)
-    of each group of equal normalised texts, else that first document's id. ``ids`` must be
-    unique and non-null (any type; compared as strings).
+    Returns ``duplicate_of`` (Utf8, len(texts)): null for the lowest id of each group of equal
+    normalised texts, else that id — or, when ``index`` holds an existing corpus, the lowest
+    indexed id with the same text (indexed documents always win). ``ids`` must be unique and
+    non-null (any type; compared as strings). Independent of input order.
     """
     ids = _check_ids(texts, ids)
-    norm = normalise_for_hash(texts)
-    frame = pl.DataFrame({"norm": norm}).with_row_index("i")
-    rep = frame.select(pl.col("i").min().over("norm"))["i"].to_numpy().astype(np.int64)
-    return _duplicate_of(ids, rep)
+    frame = pl.DataFrame({"id": ids, "digest": exact_digests(texts), "new": True})
+    if index is not None and index.exact is not None and len(index.exact):
+        frame = pl.concat([index.exact.select("id", "digest", new=pl.lit(False)), frame])
+    # indexed documents first (new=False sorts first), then the lowest id
+    rep = frame.select(pl.col("id").sort_by("new", "id").first().over("digest").alias("rep"), "id", "new")
+    rep = rep.filter(pl.col("new"))
+    return rep.select(pl.when(pl.col("rep") != pl.col("id")).then(pl.col("rep")).alias("duplicate_of"))[
+        "duplicate_of"].cast(pl.Utf8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,45 +277,176 @@ def _band_keys(sig: np.ndarray, cfg: MinHashConfig) -> np.ndarray:
     return key
 
 
-def minhash_clusters(sig: np.ndarray, cfg: MinHashConfig) -> np.ndarray:
+def _candidate_pairs(sig: np.ndarray, cfg: MinHashConfig, empty: np.ndarray) -> np.ndarray:
+    """(n_pairs, 2) int64, i < j: every pair of documents sharing an LSH band bucket.
+
+    The bands are shuffled by band hash with a polars group-by on (band, key); each bucket yields
+    all its member pairs (k·(k-1)/2), deduplicated across bands, so that verification compares
+    every candidate pair and not only each member with the bucket's first document.
+    """
+    n = len(sig)
+    keys = _band_keys(sig, cfg)
+    docs = np.flatnonzero(~empty)
+    frame = pl.DataFrame({
+        "doc": np.repeat(docs, cfg.bands),
+        "band": np.tile(np.arange(cfg.bands, dtype=np.int32), len(docs)),
+        "key": keys[docs].ravel(),
+    })
+    buckets = (
+        frame.group_by("band", "key").agg(pl.col("doc").sort())
+        .filter(pl.col("doc").list.len() > 1)["doc"].to_list()
+    )
+    pairs = [np.zeros((0, 2), np.int64)]
+    for members in buckets:
+        m = np.asarray(members, dtype=np.int64)
+        i, j = np.triu_indices(len(m), k=1)
+        pairs.append(np.stack([m[i], m[j]], axis=1))
+    out = np.concatenate(pairs)
+    return np.unique(out, axis=0) if len(out) else out.reshape(0, 2) if n else out
+
+
+def minhash_clusters(sig: np.ndarray, cfg: MinHashConfig, rank: np.ndarray | None = None) -> np.ndarray:
     """Representative index per document from signatures (n_docs,) int64.
 
-    Each document is linked to the first document (lowest index) sharing any LSH band bucket
-    (verified by estimated Jaccard >= ``cfg.threshold`` when set); connected components of these
-    links are clusters; a cluster's representative is its lowest index. Documents without
+    Documents sharing any LSH band bucket are candidate pairs; with ``cfg.threshold`` set, each
+    pair is verified on its own (estimated Jaccard, the fraction of equal signature entries,
+    >= threshold). Connected components (union-find) of the kept pairs are clusters; a cluster's
+    representative is the document of lowest ``rank`` (default: its index; callers pass the rank
+    of the user id, so the result does not depend on input or shard order). Documents without
     shingles are singletons.
     """
     n = len(sig)
     if n == 0:
         return np.zeros(0, np.int64)
+    rank = np.arange(n, dtype=np.int64) if rank is None else np.asarray(rank, dtype=np.int64)
     empty = np.all(sig == np.iinfo(sig.dtype).max, axis=1)
-    keys = _band_keys(sig, cfg)
-    src, dst = [], []
-    idx = np.arange(n)
-    for b in range(cfg.bands):
-        k = keys[:, b]
-        _, first, inv = np.unique(k, return_index=True, return_inverse=True)
-        head = first[inv.reshape(-1)]  # np.unique's return_index is the first occurrence
-        link = (head != idx) & ~empty
-        a, h = idx[link], head[link]
-        if cfg.threshold is not None and len(a):
-            est = (sig[a] == sig[h]).mean(axis=1)
-            ok = est >= cfg.threshold
-            a, h = a[ok], h[ok]
-        src.append(a)
-        dst.append(h)
-    src_a = np.concatenate(src)
-    dst_a = np.concatenate(dst)
-    graph = coo_matrix((np.ones(len(src_a), np.int8), (src_a, dst_a)), shape=(n, n))
+    pairs = _candidate_pairs(sig, cfg, empty)
+    if cfg.threshold is not None and len(pairs):
+        est = np.empty(len(pairs))
+        for lo in range(0, len(pairs), 65_536):  # bounded (pairs × perms) comparisons
+            p = pairs[lo : lo + 65_536]
+            est[lo : lo + 65_536] = (sig[p[:, 0]] == sig[p[:, 1]]).mean(axis=1)
+        pairs = pairs[est >= cfg.threshold]
+    graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
     _, label = connected_components(graph, directed=False)
-    rep_of_label = np.full(label.max() + 1, n, dtype=np.int64)
-    np.minimum.at(rep_of_label, label, idx)
-    return rep_of_label[label]
+    best = np.full(label.max() + 1, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(best, label, rank)
+    if not np.array_equal(np.sort(rank), np.arange(n)):
+        raise ValueError("rank: must be a permutation of 0..n_docs-1")
+    index_of_rank = np.empty(n, np.int64)
+    index_of_rank[rank] = np.arange(n)
+    return index_of_rank[best[label]]
 
 
-def minhash_duplicates(texts: pl.Series, ids: pl.Series, cfg: MinHashConfig) -> pl.Series:
+def id_rank(ids: pl.Series) -> np.ndarray:
+    """(n,) int64: rank of each id in ascending string order (ids unique), so "lowest user id"
+    decides a cluster's representative."""
+    return ids.cast(pl.Utf8).rank("ordinal").to_numpy().astype(np.int64) - 1
+
+
+def minhash_signatures_sharded(shards: Sequence[pl.Series], cfg: MinHashConfig, executor=None) -> np.ndarray:
+    """Signatures of each shard computed in parallel (anything with ``concurrent.futures``'
+    ``submit``: a process pool, or ``flows.ray_executor.RayExecutor`` for Ray tasks), stacked in
+    shard order: (sum of shard lengths, bands·rows). A signature depends only on its document, so
+    the result equals :func:`minhash_signatures` on the concatenation."""
+    if executor is None:
+        parts = [minhash_signatures(s, cfg) for s in shards]
+    else:
+        parts = [f.result() for f in [executor.submit(minhash_signatures, s, cfg) for s in shards]]
+    dtype = np.uint64 if cfg.hash_bits == 64 else np.uint32
+    return np.concatenate(parts) if parts else np.zeros((0, cfg.num_perm), dtype)
+
+
+def minhash_duplicates(texts: pl.Series, ids: pl.Series, cfg: MinHashConfig, *, executor=None,
+                       n_shards: int = 1, index: "DedupIndex | None" = None) -> pl.Series:
     """Near-duplicates by MinHash-LSH: ``duplicate_of`` (Utf8), null for kept documents, else the
-    id of the lowest-index document of the cluster. Deterministic for a given input order."""
+    id of the cluster's representative: the lowest indexed id when the cluster holds a document of
+    ``index`` (an existing corpus), else the lowest id of this corpus. Independent of input order,
+    shard count and executor."""
     ids = _check_ids(texts, ids)
-    sig = minhash_signatures(texts, cfg)
-    return _duplicate_of(ids, minhash_clusters(sig, cfg))
+    bounds = np.linspace(0, len(texts), max(1, n_shards) + 1).astype(int)
+    sig = minhash_signatures_sharded([texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])], cfg, executor)
+    if index is None or index.minhash_ids is None or not len(index.minhash_ids):
+        return _duplicate_of(ids, minhash_clusters(sig, cfg, id_rank(ids)))
+    index.check_config(cfg)
+    m = len(index.minhash_ids)
+    all_ids = pl.concat([index.minhash_ids, ids])
+    # indexed documents rank before every new one, so they represent any cluster they are in
+    rank = np.concatenate([id_rank(index.minhash_ids), m + id_rank(ids)])
+    rep = minhash_clusters(np.concatenate([index.minhash_sig.astype(sig.dtype), sig]), cfg, rank)
+    return _duplicate_of(all_ids, rep)[m:]
+
+
+# ---------------------------------------------------------------------------------------------
+# persisted index of an existing corpus
+
+
+@dataclass(kw_only=True)
+class DedupIndex:
+    """What a corpus leaves behind for deduplicating later corpora against it.
+
+    On disk (``save_index`` / ``load_index``), a folder with ``exact.parquet`` (id, digest),
+    ``minhash.parquet`` (id, signature) and ``index.json`` (the :class:`MinHashConfig` the
+    signatures were made with; a different one is refused, since its signatures cannot match).
+    """
+
+    exact: pl.DataFrame | None = None
+    minhash_ids: pl.Series | None = None
+    minhash_sig: np.ndarray | None = None
+    minhash_config: dict | None = None
+
+    def check_config(self, cfg: MinHashConfig) -> None:
+        if self.minhash_config is not None and self.minhash_config != asdict(cfg):
+            diff = sorted(k for k in asdict(cfg) if asdict(cfg)[k] != self.minhash_config.get(k))
+            raise ValueError(f"index: built with another MinHash config (fields {diff} differ); "
+                             "rebuild the index or use its settings")
+
+    def extended(self, *, exact: pl.DataFrame | None = None, minhash_ids: pl.Series | None = None,
+                 minhash_sig: np.ndarray | None = None, cfg: MinHashConfig | None = None) -> "DedupIndex":
+        """A new index holding this one plus the given (kept) documents of a new corpus."""
+        if cfg is not None:
+            self.check_config(cfg)
+        ex = self.exact if exact is None else exact if self.exact is None else pl.concat([self.exact, exact])
+        if minhash_ids is None:
+            return DedupIndex(exact=ex, minhash_ids=self.minhash_ids, minhash_sig=self.minhash_sig,
+                              minhash_config=self.minhash_config)
+        if self.minhash_ids is not None:
+            minhash_ids = pl.concat([self.minhash_ids, minhash_ids.cast(pl.Utf8)])
+            minhash_sig = np.concatenate([self.minhash_sig, minhash_sig])
+        return DedupIndex(exact=ex, minhash_ids=minhash_ids.cast(pl.Utf8), minhash_sig=minhash_sig,
+                          minhash_config=asdict(cfg) if cfg is not None else self.minhash_config)
+
+
+def build_index(texts: pl.Series, ids: pl.Series, cfg: MinHashConfig | None = None) -> DedupIndex:
+    """Index of a corpus's documents: exact digests always, MinHash signatures when ``cfg``."""
+    ids = _check_ids(texts, ids)
+    exact = pl.DataFrame({"id": ids, "digest": exact_digests(texts)})
+    if cfg is None:
+        return DedupIndex(exact=exact)
+    return DedupIndex(exact=exact, minhash_ids=ids, minhash_sig=minhash_signatures(texts, cfg),
+                      minhash_config=asdict(cfg))
+
+
+def save_index(index: DedupIndex, folder: str | Path) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if index.exact is not None:
+        index.exact.write_parquet(folder / "exact.parquet")
+    if index.minhash_ids is not None:
+        pl.DataFrame({"id": index.minhash_ids, "signature": index.minhash_sig}).write_parquet(folder / "minhash.parquet")
+    (folder / "index.json").write_text(json.dumps({"minhash_config": index.minhash_config}, indent=1))
+
+
+def load_index(folder: str | Path) -> DedupIndex:
+    """Read a folder written by :func:`save_index`; a missing folder or manifest is an error."""
+    folder = Path(folder)
+    manifest = folder / "index.json"
+    if not manifest.is_file():
+        raise ValueError(f"index: {manifest} not found (write one with save_index / scalelab curate --index)")
+    meta = json.loads(manifest.read_text())
+    exact = pl.read_parquet(folder / "exact.parquet") if (folder / "exact.parquet").is_file() else None
+    ids = sig = None
+    if (folder / "minhash.parquet").is_file():
+        mh = pl.read_parquet(folder / "minhash.parquet")
+        ids, sig = mh["id"].cast(pl.Utf8), mh["signature"].to_numpy()
+    return DedupIndex(exact=exact, minhash_ids=ids, minhash_sig=sig, minhash_config=meta.get("minhash_config"))

@@ -11,8 +11,13 @@ import pytest
 from tasks.curation.dedup import (
     MinHashConfig,
     _shingles,
+    build_index,
+    exact_digests,
     exact_duplicates,
+    load_index,
+    minhash_clusters,
     minhash_duplicates,
+    save_index,
     minhash_signatures,
     normalise_for_hash,
 )
@@ -88,7 +93,7 @@ def test_minhash_finds_near_duplicates_not_distinct_docs():
     assert dup[30:].to_list() == [f"b{i}" for i in range(10)]
 
 
-def test_minhash_is_deterministic_and_representative_is_first_in_input_order():
+def test_minhash_is_deterministic_and_representative_is_lowest_id():
     rng = random.Random(2)
     base = doc(rng)
     texts = [doc(rng) for _ in range(5)] + [mutate(base, rng, 2), base, mutate(base, rng, 2)]
@@ -97,9 +102,9 @@ def test_minhash_is_deterministic_and_representative_is_first_in_input_order():
     first = minhash_duplicates(pl.Series(texts), ids, cfg)
     assert first.to_list() == minhash_duplicates(pl.Series(texts), ids, cfg).to_list()
     assert first.to_list() == [None] * 6 + ["d5", "d5"]
-    # reversed input: the representative is again the first of the cluster in the new order
+    # reversed input: the representative is still the lowest id, d5
     rev = minhash_duplicates(pl.Series(texts[::-1]), ids.reverse(), cfg)
-    assert rev.to_list() == [None, "d7", "d7"] + [None] * 5
+    assert rev.to_list() == ["d5", "d5", None] + [None] * 5
 
 
 def _jaccard(a: set, b: set) -> float:
@@ -115,7 +120,7 @@ def test_minhash_precision_recall_vs_exact_jaccard():
         k = rng.choice([0, 1, 2, 3, 5, 8, 12, 20, 35])  # spread true Jaccard over (0, 1]
         texts.append(mutate(base[i], rng, k))
         pairs.append((i, len(texts) - 1))
-    ids = pl.Series([str(i) for i in range(len(texts))])
+    ids = pl.Series([f"{i:03d}" for i in range(len(texts))])  # lowest id = first in input order
     dup = minhash_duplicates(pl.Series(texts), ids, cfg).to_list()
     # exact shingle sets from the same shingling
     sh, counts = _shingles(pl.Series(texts), cfg)
@@ -130,9 +135,64 @@ def test_minhash_precision_recall_vs_exact_jaccard():
         if abs(j - cfg.threshold) < 0.05:
             continue
         truth = j >= cfg.threshold
-        pred = dup[b] == str(a)
+        pred = dup[b] == f"{a:03d}"
         tp += truth and pred
         fp += pred and not truth
         fn += truth and not pred
     assert tp >= 20  # the sample has real positives
     assert tp / (tp + fp) >= 0.95 and tp / (tp + fn) >= 0.95, (tp, fp, fn)
+
+
+def test_pairwise_verification_links_members_other_than_the_bucket_head():
+    # band 0 is shared by all three; a is far from b and c (estimate 0.25), b and c are close
+    # (0.85) but share no other band. Verifying only against the bucket's first member missed b~c.
+    cfg = MinHashConfig(bands=4, rows=5, threshold=0.8)
+    a = np.arange(20, dtype=np.uint64) + np.uint64(1000)
+    b = np.arange(20, dtype=np.uint64)
+    a[:5] = b[:5]
+    c = b.copy()
+    c[[5, 10, 15]] += np.uint64(500)
+    rep = minhash_clusters(np.stack([a, b, c]), cfg)
+    assert rep.tolist() == [0, 1, 1]
+
+
+def test_sharded_signatures_and_shard_order_give_single_process_clusters():
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    rng = random.Random(3)
+    base = [doc(rng) for _ in range(4)]
+    texts = [mutate(t, rng, 2) for t in base for _ in range(3)] + [doc(rng) for _ in range(6)]
+    ids = pl.Series([f"x{i:02d}" for i in range(len(texts))])
+    cfg = MinHashConfig(threshold=0.8, bands=28, rows=4)
+    single = dict(zip(ids.to_list(), minhash_duplicates(pl.Series(texts), ids, cfg).to_list()))
+    assert sum(v is not None for v in single.values()) == 8
+    perm = list(range(len(texts)))
+    random.Random(0).shuffle(perm)
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:  # fork deadlocks polars
+        dup = minhash_duplicates(pl.Series([texts[i] for i in perm]), ids.gather(perm), cfg,
+                                 executor=pool, n_shards=3)
+    assert dict(zip(ids.gather(perm).to_list(), dup.to_list())) == single
+
+
+def test_index_round_trip_and_dedup_against_an_existing_corpus(tmp_path):
+    rng = random.Random(4)
+    old = [doc(rng) for _ in range(5)]
+    cfg = MinHashConfig(threshold=0.8, bands=28, rows=4)
+    save_index(build_index(pl.Series(old), pl.Series([f"old{i}" for i in range(5)]), cfg), tmp_path / "idx")
+    index = load_index(tmp_path / "idx")
+    assert index.minhash_sig.shape == (5, cfg.num_perm) and index.exact["id"].to_list()[0] == "old0"
+    new = [mutate(old[2], rng, 2), old[4].upper(), doc(rng)]
+    new_ids = pl.Series(["a", "b", "c"])  # lower than "old*": the indexed id must still win
+    assert minhash_duplicates(pl.Series(new), new_ids, cfg, index=index).to_list() == ["old2", "old4", None]
+    assert exact_duplicates(pl.Series(new), new_ids, index=index).to_list() == [None, "old4", None]
+    # extend with the kept new document; a later copy of it now duplicates the index
+    grown = index.extended(minhash_ids=pl.Series(["c"]), minhash_sig=minhash_signatures(pl.Series([new[2]]), cfg),
+                           exact=pl.DataFrame({"id": ["c"], "digest": exact_digests(pl.Series([new[2]]))}), cfg=cfg)
+    save_index(grown, tmp_path / "idx2")
+    again = load_index(tmp_path / "idx2")
+    assert minhash_duplicates(pl.Series([new[2]]), pl.Series(["z"]), cfg, index=again).to_list() == ["c"]
+    assert exact_duplicates(pl.Series([new[2]]), pl.Series(["z"]), index=again).to_list() == ["c"]
+    with pytest.raises(ValueError, match="ngram"):
+        minhash_duplicates(pl.Series(new), new_ids, MinHashConfig(ngram=4, threshold=0.8, bands=28, rows=4), index=index)
+    with pytest.raises(ValueError, match="index.json"):
+        load_index(tmp_path / "missing")
