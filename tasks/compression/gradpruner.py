@@ -66,7 +66,7 @@ from tasks.compression.block_pruning import (
     remove_blocks,
     select_blocks,
 )
-from tasks.compression.registry import MethodSpec
+from tasks.compression.registry import MethodSpec, register_pruner
 
 ACCUMULATIONS = ("squared", "abs")
 MERGE_DIRECTIONS = ("previous", "next")
@@ -292,6 +292,7 @@ class GradPrunedModel(PrunedModel):
         }
 
 
+@register_pruner("gradpruner", GradPrunerConfig)
 def gradpruner(model: nn.Module, cfg: GradPrunerConfig, *, calib_tokens: np.ndarray | torch.Tensor | None) -> GradPrunedModel:
     """GradPruner: remove the ``n_remove`` layers of lowest IGIA score, each merged (sparsified,
     same-sign elements only) into its neighbouring kept layer.

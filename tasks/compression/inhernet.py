@@ -68,7 +68,7 @@ from torch import nn
 
 from tasks.common.config import require, to_dict
 from tasks.compression.block_pruning import decoder_layers, n_params
-from tasks.compression.registry import MethodSpec
+from tasks.compression.registry import MethodSpec, register_pruner
 
 ALLOCATIONS = ("uniform", "spectrum")
 SIGMA_SPLITS = ("up", "sqrt")
@@ -318,6 +318,7 @@ def inherit_linear(linear: nn.Linear, rank: int, heads: int, sigma: str = "up", 
     return out
 
 
+@register_pruner("inhernet", InherNetConfig)
 def inhernet(teacher: nn.Module, cfg: InherNetConfig, *, calib_tokens: np.ndarray | torch.Tensor | None = None) -> InheritedModel:
     """InherNet: a copy of ``teacher`` whose decoder linears are SVD-initialised :class:`InherLinear`
     with ranks fitted to the budget. ``teacher`` is left unchanged.

@@ -165,13 +165,17 @@ def prune(model: nn.Module, cfg: MethodSpec, *, calib_tokens: np.ndarray | torch
 
 def matmul_params(model: nn.Module) -> int:
     """Weights that multiply activations per token: every ``nn.Linear`` (the output head included, once
-    when tied), not the embedding lookup."""
+    when tied) and every InherNet up factor (``InherLinear.up``, all heads run), not the embedding lookup."""
     seen: set[int] = set()
     total = 0
     for m in model.modules():
-        if isinstance(m, nn.Linear) and id(m.weight) not in seen:
-            seen.add(id(m.weight))
-            total += m.weight.numel()
+        weights = [m.weight] if isinstance(m, nn.Linear) else []
+        if isinstance(getattr(m, "up", None), nn.Parameter):
+            weights.append(m.up)
+        for w in weights:
+            if id(w) not in seen:
+                seen.add(id(w))
+                total += w.numel()
     return total
 
 
@@ -185,7 +189,7 @@ def forward_flops_per_token(model: nn.Module, seq_len: int) -> float:
     attn = 0
     for m in model.modules():
         o_proj = getattr(m, "o_proj", None)
-        if isinstance(o_proj, nn.Linear):
+        if isinstance(o_proj, nn.Module) and hasattr(o_proj, "in_features"):  # nn.Linear or InherLinear
             attn += o_proj.in_features
     return float(2 * matmul_params(model) + 4 * seq_len * attn)
 

@@ -143,3 +143,32 @@ def test_prune_rows_with_paser_selects_the_budget(monkeypatch):
     rec = [r for r in rows if r["recovery_loss"] != "none"]
     assert [(r["recovery_loss"], r["data_select"]) for r in rec] == [("csd", "random"), ("csd", "paser")]
     assert all(r["recovery_windows"] == 8 for r in rec)  # 0.25 of 32 windows
+
+
+def test_gradpruner_and_inhernet_rows_through_the_registry():
+    model = tiny_llama(4)
+    settings = {"g": {"method": "gradpruner", "n_remove": 1, "seq_len": 32, "calib_windows": 4, "steps": 2},
+                "i": {"method": "inhernet", "target_fraction": 0.8, "allocation": "spectrum"}}
+    cfg = PruningConfig(settings=settings, recovery=RecoveryConfig(losses=("kl",), steps=1, batch_size=2,
+                                                                   seq_len=32, tokens=512))
+    rows = prune_rows(model, settings=cfg.methods(), recovery=cfg.recovery, calib=tokens(256, 1), train=tokens(512, 3),
+                      val=tokens(513, 4), seq_len=32, batch_size=4, eval_tokens=512, base_row={"model": "tiny"},
+                      log=lambda *a: None)
+    by = {(r["setting"], r["recovery_loss"]): r for r in rows}
+    dense, grad, inher = by["dense", "none"], by["g", "none"], by["i", "none"]
+    assert len(grad["removed"].split()) == 1 and grad["params"] < dense["params"]
+    assert inher["removed"] == "" and inher["params"] <= 0.8 * dense["params"] + 64
+    for r in (grad, inher):
+        assert r["flops_per_token"] < dense["flops_per_token"] and np.isfinite(r["ppl"])
+    assert np.isfinite(by["g", "kl"]["ppl"]) and np.isfinite(by["i", "kl"]["ppl"])
+
+
+def test_flops_count_inhernet_factors():
+    from tasks.compression.inhernet import InherLinear
+
+    lin = InherLinear(64, 128, rank=8, heads=2)
+    holder = torch.nn.Module()
+    holder.o_proj = lin
+    # down (8x64) + gate (2x8) + up (2x128x8); the factored o_proj still counts as an attention block
+    assert matmul_params(holder) == 8 * 64 + 2 * 8 + 2 * 128 * 8
+    assert forward_flops_per_token(holder, 10) == 2 * matmul_params(holder) + 4 * 10 * 64
