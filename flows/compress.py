@@ -22,11 +22,13 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from torch import nn
 
-from flows.evaluate_models import tokens_path, trained_models, val_tokens_path
+from flows.artifacts import compress_table, publish_table
+from flows.evaluate_models import model_datasets, tokens_path, trained_models, val_tokens_path
 from flows.runtime import map_tasks
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.io import atomic_dir
+from tasks.common.lineage import DataRef, data_ref, log_datasets, log_model_ref
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.compression.registry import (
     CompressedModel,
@@ -87,9 +89,14 @@ def precision_models(cm: CompressedModel, base: nn.Module) -> list[tuple[int | f
 def run_settings(
     *, model: nn.Module, model_name: str, base_row: dict[str, Any], settings: dict[str, tuple[str, MethodSpec]],
     val: np.ndarray, calib: np.ndarray | None, seq_len: int, batch_size: int, eval_tokens: int, out_dir: Path,
-    parent: RunRef,
+    parent: RunRef, data: tuple[tuple[DataRef, str], ...] = (), base: dict[str, str] | None = None,
+    final_dir: Path | None = None,
 ) -> list[dict]:
-    """Every setting on one model: compress, save, score each served precision; one MLflow child run per setting."""
+    """Every setting on one model: compress, save, score each served precision; one MLflow child run per setting.
+
+    ``data``: (dataset, context) pairs logged on each run (``evaluation``'s scores the metrics). With ``base`` (the pyfunc's
+    ``base_dir`` or ``base``) every scored precision is logged as an MLflow model pointing at its file
+    in ``final_dir`` (where ``out_dir``'s files live once the stage ends)."""
     overlap = calib_eval_overlap(calib, val[:eval_tokens])
     check_overlap(overlap, model_name)
     base_loss = evaluate_loss(model, val, seq_len, batch_size, max_tokens=eval_tokens)
@@ -103,6 +110,8 @@ def run_settings(
         with tracked_run(f"compress:{model_name}:{setting}", uri=parent.uri, experiment=parent.experiment,
                          parent=parent, params=params | {"stage": "compress", "config": to_dict(mcfg)},
                          tags={"scalelab.stage": "compress"}) as run:
+            for ref, context in data:
+                log_datasets(run, [ref], context)
             cm = compress(model, mcfg, calib_tokens=calib)
             size = save_compressed(cm, out_dir / f"{setting}.safetensors")
             multi = bool(cm.meta.get("precisions"))
@@ -113,14 +122,24 @@ def run_settings(
                            "bits_per_weight": bpw, "bytes_on_disk": size, "base_val_loss": base_loss,
                            "delta_val_loss": loss - base_loss, "calib_eval_overlap": overlap}
                 run.log_metrics({f"{k}_w{bits}" if multi else k: v for k, v in metrics.items() if v is not None})
+                if base is not None:
+                    file = (final_dir or out_dir) / f"{setting}.safetensors"
+                    log_model_ref(run, f"{base_row['variant']}-{model_name}-{setting}{suffix}",
+                                  {"kind": "compressed", "file": str(file.resolve()), **base, "bits": bits,
+                                   "multi_precision": multi},
+                                  key=f"{base_row['variant']}/{model_name}/{setting}{suffix}",
+                                  model_type="scalelab-compressed", params=params | {"bits": bits},
+                                  metrics={k: metrics[k] for k in ("val_loss", "ppl", "bits_per_weight", "bytes_on_disk")},
+                                  dataset=next((r for r, c in data if c == "evaluation"), None))
                 rows.append(params | {"setting": setting + suffix, "bits": bits} | metrics)
             del cm
     return rows
 
 
 @task(name="compress-model", cache_policy=NO_CACHE)
-def compress_model(model_row: dict, cfg: CompressionConfig, out_dir: str, parent: RunRef) -> list[dict]:
-    """Every enabled setting on one trained model."""
+def compress_model(model_row: dict, cfg: CompressionConfig, out_dir: str, parent: RunRef,
+                   final_dir: str | None = None) -> list[dict]:
+    """Every enabled setting on one trained model (``model_row["data"]``: its datasets, when given)."""
     set_process_threads(cfg.num_threads)
     model, meta = load_model(model_row["model_dir"])
     seq_len = cfg.seq_len or meta["seq_len"]
@@ -130,7 +149,9 @@ def compress_model(model_row: dict, cfg: CompressionConfig, out_dir: str, parent
                 "tokens": model_row["tokens"]}
     return run_settings(model=model, model_name=model_row["run"], base_row=base_row, settings=cfg.methods(),
                         val=val, calib=calib, seq_len=seq_len, batch_size=cfg.batch_size,
-                        eval_tokens=cfg.eval_tokens, out_dir=Path(out_dir), parent=parent)
+                        eval_tokens=cfg.eval_tokens, out_dir=Path(out_dir), parent=parent,
+                        data=tuple(model_row.get("data") or ()), base={"base_dir": str(Path(model_row["model_dir"]).resolve())},
+                        final_dir=Path(final_dir) if final_dir else None)
 
 
 def text_tokens(paths: list[Path], tokenizer: Any, max_tokens: int, eos: int | None) -> np.ndarray:
@@ -151,7 +172,8 @@ def text_tokens(paths: list[Path], tokenizer: Any, max_tokens: int, eos: int | N
 
 
 @task(name="compress-pretrained", cache_policy=NO_CACHE)
-def compress_pretrained(name: str, cfg: CompressionConfig, prepared: str, out_dir: str, parent: RunRef) -> list[dict]:
+def compress_pretrained(name: str, cfg: CompressionConfig, prepared: str, out_dir: str, parent: RunRef,
+                        final_dir: str | None = None) -> list[dict]:
     """Every pretrained setting on one pretrained model (``smollm2``), on the prepared train/val text."""
     from tasks.common.models import load_causal_lm
 
@@ -166,7 +188,10 @@ def compress_pretrained(name: str, cfg: CompressionConfig, prepared: str, out_di
     base_row = {"variant": "pretrained", "run": None, "n_params": meta.get("n_params"), "tokens": None}
     return run_settings(model=model, model_name=PRETRAINED[name], base_row=base_row, settings=cfg.pretrained_methods(),
                         val=val, calib=calib, seq_len=cfg.pretrained_seq_len, batch_size=cfg.pretrained_batch_size,
-                        eval_tokens=cfg.pretrained_eval_tokens, out_dir=Path(out_dir), parent=parent)
+                        eval_tokens=cfg.pretrained_eval_tokens, out_dir=Path(out_dir), parent=parent,
+                        data=((data_ref(prepared_dir.parents[1], prepared_dir / "train", "prepared-train"), "calibration"),
+                              (data_ref(prepared_dir.parents[1], prepared_dir / "val.parquet", "val"), "evaluation")),
+                        base={"base": name}, final_dir=Path(final_dir) if final_dir else None)
 
 
 @flow(name="compress", log_prints=True)
@@ -181,17 +206,23 @@ def compress_flow(
     cfg = ctx.config(CompressionConfig, "compression")
     with stage_run(ctx, "compress", cfg) as run, atomic_dir(ctx.layout.compressed) as out:
         models = trained_models(ctx, cfg.models)
+        data = model_datasets(ctx, models)
         jobs = [
-            dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m))},
-                 cfg=cfg, out_dir=str(out / m["variant"] / m["run"]), parent=run.ref())
+            dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m)),
+                                "data": data[m["variant"]]},
+                 cfg=cfg, out_dir=str(out / m["variant"] / m["run"]), parent=run.ref(),
+                 final_dir=str(ctx.layout.compressed / m["variant"] / m["run"]))
             for m in models
         ]
         rows = [r for rs in map_tasks(ctx.pipeline, compress_model, jobs) for r in rs]
         # One at a time: a pretrained model is ~100x a ladder model, and its own threads use the cores.
         for name in cfg.pretrained:
             rows += compress_pretrained.fn(name, cfg, str(ctx.layout.prepared),
-                                           str(out / "pretrained" / PRETRAINED[name]), run.ref())
+                                           str(out / "pretrained" / PRETRAINED[name]), run.ref(),
+                                           final_dir=str(ctx.layout.compressed / "pretrained" / PRETRAINED[name]))
         write_table(ctx, "compress", rows, run)
+        publish_table(run, "compress", ctx.preset, compress_table(rows), "Compression: loss at measured bits per weight",
+                      "`delta_val_loss` is the compressed model's validation loss minus the uncompressed one's.")
         run.log_metrics({"models": len(models) + len(cfg.pretrained), "evaluations": len(rows)})
         print(f"compress: {len(rows)} (model, setting) evaluations -> {ctx.layout.reports / 'compress.csv'}")
         return rows

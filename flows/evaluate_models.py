@@ -33,3 +33,18 @@ def tokens_path(ctx: Context, model_row: dict) -> Path:
 
 def val_tokens_path(ctx: Context) -> Path:
     return ctx.layout.tokens / "val.npy"
+
+
+def model_datasets(ctx: Context, models: list[dict]) -> dict[str, tuple]:
+    """Per series (``variant`` of a train.csv row): ``((training tokens, "training"), (validation
+    tokens, "evaluation"))`` as MLflow datasets (:func:`tasks.common.lineage.data_ref`) with their
+    contexts, for the runs that score its models."""
+    from tasks.common.lineage import data_ref
+
+    val = data_ref(ctx.workdir, val_tokens_path(ctx), "val")
+    out = {}
+    for m in models:
+        if m["variant"] not in out:
+            train = data_ref(ctx.workdir, tokens_path(ctx, m), m.get("data_variant") or m["variant"])
+            out[m["variant"]] = ((train, "training"), (val, "evaluation"))
+    return out

@@ -11,7 +11,9 @@ from pathlib import Path
 import polars as pl
 from prefect import flow
 
+from flows.artifacts import law_table, publish_table
 from flows.stage import stage_context, stage_run
+from tasks.common.lineage import data_ref, log_datasets
 from tasks.scaling.config import FitConfig
 from tasks.scaling.report import exclude_runs, fit_points, write_fit_report
 
@@ -107,6 +109,8 @@ def fit_flow(
     cfg = ctx.config(FitConfig, "fit")
     with stage_run(ctx, "fit", cfg) as run:
         gathered = gather_points(ctx.layout.reports, cfg)
+        log_datasets(run, [data_ref(ctx.workdir, ctx.layout.reports / f"{n}.csv", n) for n in ("train", "compress", "sparse_eval")
+                           if (ctx.layout.reports / f"{n}.csv").exists()], "training")
         report = fit_points(gathered.points, cfg, excluded_runs=gathered.excluded_runs)
         report["n_column"] = gathered.n_column
         paths = write_fit_report(report, gathered.points, ctx.layout.reports, plots_dir=ctx.layout.plots)
@@ -125,6 +129,10 @@ def fit_flow(
                     | {f"{k}_ci_high": fit[k]["ci_high"] for k in ("alpha", "beta") if isinstance(fit.get(k), dict)}
                     | {"n_points": fit.get("n_points"), "identified": float(bool(fit.get("identified")))}
                 )
+        publish_table(run, "fit", ctx.preset, law_table(report),
+                      "Scaling laws L(N, D) = E + A/N^alpha + B/D^beta with bootstrap intervals",
+                      "A law is *identified* only if its intervals are narrow enough, |rho(alpha, beta)| is small "
+                      "and its backtest is close (README, 'Fits'); every reason is in reports/fits.json.")
         print(f"fit: {len(report.get('variants', {}))} laws, {len(gathered.excluded_runs)} runs excluded "
               f"-> {ctx.layout.reports / 'fits.json'}")
         return report

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.artifacts import prepare_markdown, publish_markdown
 from flows.stage import stage_context, stage_run
 from tasks.common.io import atomic_dir, write_json, write_parquet
+from tasks.common.lineage import data_ref, log_datasets
 from tasks.curation.prepare import PrepareConfig, prepare_corpus, shard_frame
 
 
@@ -35,6 +37,9 @@ def prepare_flow(
         metrics |= {f"quarantined.{k}": v for k, v in corpus.stats.get("quarantined_by_reason", {}).items()}
         write_json(ctx.layout.reports / "prepare.json", metrics)
         run.log_metrics(metrics)
+        log_datasets(run, [data_ref(ctx.workdir, ctx.layout.prepared / "train", "prepared-train"),
+                           data_ref(ctx.workdir, ctx.layout.prepared / "val.parquet", "val")], "output")
+        publish_markdown(run, "prepare", ctx.preset, prepare_markdown(corpus.stats))
         print(f"prepare: {corpus.stats['train_docs']} train / {corpus.stats['val_docs']} val docs, "
               f"{corpus.stats['quarantined']} quarantined")
         return corpus.stats

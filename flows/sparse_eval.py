@@ -12,10 +12,12 @@ import math
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.evaluate_models import tokens_path, trained_models, val_tokens_path
+from flows.artifacts import publish_table, sparse_table
+from flows.evaluate_models import model_datasets, tokens_path, trained_models, val_tokens_path
 from flows.runtime import map_tasks
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import to_dict
+from tasks.common.lineage import log_datasets
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.evaluation.loss import evaluate_loss
 from tasks.sparse.registry import SparseEvalConfig, sparsify
@@ -42,6 +44,8 @@ def sparse_eval_model(model_row: dict, cfg: SparseEvalConfig, parent: RunRef) ->
             with tracked_run(f"sparse:{model_row['variant']}:{model_row['run']}:{setting}@{sparsity:g}",
                              uri=parent.uri, experiment=parent.experiment, parent=parent,
                              params=params | {"config": to_dict(mcfg)}, tags={"scalelab.stage": "sparse_eval"}) as run:
+                for ref, context in model_row.get("data") or ():
+                    log_datasets(run, [ref], context)
                 with sparsify(model, mcfg, sparsity=sparsity, calib_tokens=calib) as handle:
                     loss = evaluate_loss(model, val, seq_len, cfg.batch_size, max_tokens=cfg.eval_tokens)
                 metrics = {"val_loss": loss, "ppl": math.exp(loss), "achieved_sparsity": handle.achieved_sparsity(),
@@ -63,13 +67,17 @@ def sparse_eval_flow(
     cfg = ctx.config(SparseEvalConfig, "sparse_eval")
     with stage_run(ctx, "sparse_eval", cfg) as run:
         models = trained_models(ctx, cfg.models)
+        data = model_datasets(ctx, models)
         jobs = [
-            dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m))},
+            dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m)),
+                                "data": data[m["variant"]]},
                  cfg=cfg, parent=run.ref())
             for m in models
         ]
         rows = [r for rs in map_tasks(ctx.pipeline, sparse_eval_model, jobs) for r in rs]
         write_table(ctx, "sparse_eval", rows, run)
+        publish_table(run, "sparse_eval", ctx.preset, sparse_table(rows), "Sparse inference: loss at each sparsity",
+                      "`delta_val_loss` is the sparse model's validation loss minus the dense one's.")
         run.log_metrics({"models": len(models), "evaluations": len(rows)})
         print(f"sparse_eval: {len(rows)} points -> {ctx.layout.reports / 'sparse_eval.csv'}")
         return rows

@@ -20,6 +20,7 @@ import polars as pl
 from flows.runtime import Context, claim_workdir, make_context
 from tasks.common.config import to_dict
 from tasks.common.io import write_csv
+from tasks.common.lineage import source_tags
 from tasks.common.tracking import REPLACES, TrackedRun, tracked_run
 
 log = logging.getLogger("scalelab")
@@ -54,12 +55,13 @@ def stage_run(ctx: Context, stage: str, cfg: Any | None = None, *, run_name: str
     logged = {"stage": stage, "preset": ctx.preset, **params}
     if cfg is not None:
         logged[stage] = to_dict(cfg)
-    tags = {"scalelab.stage": stage, "scalelab.preset": ctx.preset}
+    tags = {"scalelab.stage": stage, "scalelab.preset": ctx.preset, **source_tags(ctx.root, stage)}
     with claim_workdir(ctx) as claim:
         if replaced := claim.take_replaced():
             tags[REPLACES] = ",".join(replaced)
+        # CPU/memory samples on the stage's own run (minutes long), not on each per-item child
         with tracked_run(run_name or stage, uri=ctx.tracking_uri, experiment=ctx.experiment, parent=ctx.parent,
-                         params=logged, tags=tags, workdir=ctx.workdir) as run:
+                         params=logged, tags=tags, workdir=ctx.workdir, system_metrics=run_name is None) as run:
             yield run
 
 

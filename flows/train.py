@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import math
 import shutil
 from pathlib import Path
 
@@ -23,9 +24,11 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.progress import progress_bars
+from flows.artifacts import publish_table, train_table
 from flows.runtime import Context, config_hash, map_tasks
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.io import read_json, write_json, write_text
+from tasks.common.lineage import DataRef, budget_label, data_ref, log_datasets, log_model_ref, register_alias
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.training.config import TrainingConfig
 from tasks.training.loop import RunSpec, ladder, set_process_threads, train_model, train_size_wsd
@@ -114,13 +117,15 @@ OWNER_FILE = "owner.json"
 def train_size(
     variant: str, specs: list[RunSpec], cfg: TrainingConfig, train_path: str, val_path: str, val_groups_path: str,
     out_dirs: list[str], stable_dir: str | None, parent: RunRef, preset: str, data_variant: str | None = None,
-    progress=None,
+    progress=None, data: tuple[DataRef, DataRef] | None = None,
 ) -> list[dict]:
     """Train one size's points of one series (every budget under WSD, one point under cosine), each in its
     own MLflow child run; returns their rows for reports/train.csv.
 
     ``variant`` labels the series (``raw``, or ``raw+repb`` for the RePB arm); ``data_variant`` is
-    the curated corpus it trained on (default: ``variant``).
+    the curated corpus it trained on (default: ``variant``). ``data``: the (training, validation)
+    token files as MLflow datasets, logged on every run; each trained model is logged as an MLflow
+    model (by reference) with its metrics, its id in the row's ``model_id``.
     """
     set_process_threads(cfg.num_threads)  # once per process: a no-op in the flow's own thread pool
     for d in out_dirs:
@@ -144,6 +149,9 @@ def train_size(
             runs[spec.name] = stack.enter_context(tracked_run(
                 f"train:{variant}:{spec.name}", uri=parent.uri, experiment=parent.experiment, parent=parent,
                 params=params[spec.name], tags={"scalelab.stage": "train"}))
+            if data is not None:
+                log_datasets(runs[spec.name], data[:1], "training")
+                log_datasets(runs[spec.name], data[1:], "evaluation")
 
         def on_metrics(spec):
             return lambda m, step: runs[spec.name].log_metrics(m, step=step)
@@ -158,7 +166,7 @@ def train_size(
             results = [train_model(spec, cfg, train_tokens, val_tokens, Path(d), on_metrics=on_metrics(spec),
                                    progress=bar(spec), val_groups=val_groups) for spec, d in zip(specs, out_dirs)]
         rows = []
-        for spec, result in zip(specs, results):
+        for spec, result, out_dir in zip(specs, results, out_dirs):
             run = runs[spec.name]
             row = dataclasses.asdict(result)
             history = row.pop("history", [])
@@ -174,10 +182,40 @@ def train_size(
                 print(f"train: {variant}/{spec.name} DIVERGED ({result.diverged_reason}); recorded, excluded from fits")
             if result.epochs > 1:
                 print(f"train: WARNING {variant}/{spec.name} made {result.epochs:.2f} passes over its training tokens")
+            model_id = None
+            if not result.diverged:  # a diverged run has no model
+                model_id = log_model_ref(
+                    run, f"{variant}-{spec.name}", {"kind": "trained", "model_dir": str(Path(out_dir).resolve())},
+                    key=f"{variant}/{spec.name}", model_type="scalelab-trained", params=params[spec.name],
+                    metrics={"val_loss": result.val_loss, "ppl": math.exp(result.val_loss)
+                             if math.isfinite(result.val_loss) else None},
+                    dataset=data[1] if data is not None else None)
             rows.append({"variant": variant, "run": spec.name, **params[spec.name], **final,
                          "diverged": result.diverged, "diverged_reason": result.diverged_reason,
-                         "history": history, "by_source": by_group})
+                         "history": history, "by_source": by_group, "model_id": model_id})
         return rows
+
+
+def register_best_models(run, rows: list[dict]) -> dict[str, str]:
+    """Register each series' best model per budget (lowest validation loss among its runs that did
+    not diverge) in the MLflow Model Registry as ``<series>@best-<budget>``: the IsoFLOP compute
+    budget (``raw@best-1e13``), or under a sizes x tokens grid the token budget (``raw@best-8192``).
+    Returns ``{alias as "name@alias": model_id}``."""
+    best: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        if r.get("model_id") is None or not math.isfinite(r["val_loss"]):
+            continue
+        budget = budget_label(r["compute_budget"]) if r.get("compute_budget") else budget_label(r["tokens"])
+        key = (r["variant"], budget)
+        if key not in best or r["val_loss"] < best[key]["val_loss"]:
+            best[key] = r
+    out = {}
+    for (series, budget), r in sorted(best.items()):
+        alias = f"best-{budget}"
+        register_alias(run.uri, series, r["model_id"], alias, run_id=run.run_id,
+                       tags={"run": r["run"], "val_loss": f"{r['val_loss']:.6g}"})
+        out[f"{series}@{alias}"] = r["model_id"]
+    return out
 
 
 def size_jobs(cfg: TrainingConfig, specs: list[RunSpec]) -> list[list[RunSpec]]:
@@ -241,9 +279,12 @@ def train_flow(
             raise ValueError(f"training.repb.compare names {not_trained[0]!r}, not among the trained variants {variants}")
         specs = ladder(cfg)
         jobs, keep_dirs, labels = [], set(), set()
+        val_ref = data_ref(ctx.workdir, val_path, "val")
         for variant in variants:
             train_path = ensure_tokens(tokenizer, layout.curated / variant / "kept.parquet",
                                        layout.tokens / f"{variant}.npy", layout.tokenizer)
+            log_datasets(run, [data_ref(ctx.workdir, layout.curated / variant / "kept.parquet", variant)], "training")
+            data = (data_ref(ctx.workdir, train_path, variant), val_ref)
             digest = file_digest(train_path, val_path)
             # A variant in training.repb.compare also trains pruned, reported as <variant>+repb.
             for suffix, arm_cfg in repb_arms(cfg, variant):
@@ -260,7 +301,7 @@ def train_flow(
                     jobs.append(dict(variant=label, data_variant=variant, specs=group, cfg=arm_cfg,
                                      train_path=str(train_path), val_path=str(val_path),
                                      val_groups_path=str(val_groups), out_dirs=[str(d) for d in out_dirs],
-                                     stable_dir=str(stable) if stable else None))
+                                     stable_dir=str(stable) if stable else None, data=data))
         rows = run_ladder(ctx, cfg, jobs, run.ref())
         for d in remove_stale_models(layout.trained, labels, ctx.preset, keep_dirs):
             print(f"train: removed {d} (this preset's output of an older ladder)")
@@ -275,8 +316,13 @@ def train_flow(
         out_dirs = [d for job in jobs for d in job["out_dirs"]]
         for r, d in zip(rows, out_dirs):
             r["model_dir"] = str(Path(d).relative_to(ctx.workdir))
-        table = [{k: v for k, v in r.items() if k not in ("history", "by_source", "stage", "preset")} for r in rows]
+        aliases = register_best_models(run, rows)
+        table = [{k: v for k, v in r.items() if k not in ("history", "by_source", "stage", "preset", "model_id")}
+                 for r in rows]
         write_table(ctx, "train", table, run)
+        publish_table(run, "train", ctx.preset, train_table(rows, aliases),
+                      "Training: the best run of each series per budget, registered in the MLflow Model Registry",
+                      f"{len(rows)} runs; all of them in reports/train.csv and the MLflow Models tab.")
         write_table(ctx, "train_curves", curves, run)
         write_table(ctx, "val_by_source", by_source, run)
         diverged = [r["run"] for r in rows if r["diverged"]]

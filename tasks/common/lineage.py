@@ -19,16 +19,18 @@ the models it produced, logged by reference.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -423,6 +425,26 @@ def budget_label(x: float) -> str:
     return f"{mantissa}e{int(exp)}"
 
 
+@contextlib.contextmanager
+def _process_tracking_uri(uri: str) -> Iterator[None]:
+    """Set MLflow's process-wide tracking URI to ``uri`` for the block, then restore both it and
+    ``$MLFLOW_TRACKING_URI`` (``mlflow.set_tracking_uri`` writes the variable, and setting it back to
+    "unset" would delete a user's own)."""
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    saved_global, saved_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved_global)
+        if saved_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = saved_env
+
+
 def register_alias(uri: str, name: str, model_id: str, alias: str, *, run_id: str | None = None,
                    tags: Mapping[str, str] | None = None) -> str:
     """Register the logged model ``model_id`` as a new version of ``name`` and point ``alias`` at it;
@@ -437,7 +459,11 @@ def register_alias(uri: str, name: str, model_id: str, alias: str, *, run_id: st
     except MlflowException as exc:
         if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
             raise
-    version = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id,
-                                          tags=dict(tags or {}))
+    # The version links to the logged model only through a models:/<id> source, which MLflow's store
+    # resolves with a fresh client on the process-wide tracking URI (mlflow 3.x): point that at ``uri``
+    # for the call (registration runs in the flow's own thread).
+    with _process_tracking_uri(uri):
+        version = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id,
+                                              tags=dict(tags or {}))
     client.set_registered_model_alias(name, alias, version.version)
     return str(version.version)

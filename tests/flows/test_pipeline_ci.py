@@ -14,6 +14,23 @@ ROOT = Path(__file__).resolve().parents[2]
 from flows.cli import STAGES  # noqa: E402
 
 
+def pipeline_runs(ci_run):
+    """(client, experiment, runs): this pipeline's MLflow tree, the parent run's descendants (other
+    tests share the store)."""
+    from tasks.common.tracking import tracking_uri
+
+    workdir, result = ci_run
+    client = mlflow.MlflowClient(tracking_uri(workdir))
+    exp = client.get_experiment_by_name("scalelab")
+    everything = client.search_runs([exp.experiment_id], max_results=5000)
+    tree, frontier = {}, {result["parent_run_id"]}
+    while frontier:
+        found = [r for r in everything if r.data.tags.get("mlflow.parentRunId") in frontier]
+        tree.update({r.info.run_id: r for r in found})
+        frontier = {r.info.run_id for r in found}
+    return client, exp, list(tree.values())
+
+
 def test_every_stage_writes_its_report(ci_run):
     workdir, _ = ci_run
     reports = workdir / "reports"
@@ -116,19 +133,8 @@ def test_fits_json_has_a_law_per_variant(ci_run):
 
 
 def test_mlflow_has_finished_runs_for_all_stages(ci_run):
-    workdir, result = ci_run
-    from tasks.common.tracking import tracking_uri
-
-    client = mlflow.MlflowClient(tracking_uri(workdir))
-    exp = client.get_experiment_by_name("scalelab")
-    everything = client.search_runs([exp.experiment_id], max_results=5000)
-    # This pipeline's tree: the parent run and its descendants (other tests share the store).
-    tree, frontier = {}, {result["parent_run_id"]}
-    while frontier:
-        found = [r for r in everything if r.data.tags.get("mlflow.parentRunId") in frontier]
-        tree.update({r.info.run_id: r for r in found})
-        frontier = {r.info.run_id for r in found}
-    runs = list(tree.values())
+    _, result = ci_run
+    _, _, runs = pipeline_runs(ci_run)
     stages = {r.data.tags.get("scalelab.stage") for r in runs}
     # Per-variant and per-law children carry their stage too, so `params.stage = 'fit'` finds every law.
     assert stages == set(STAGES)
@@ -159,19 +165,10 @@ def test_pruning_rows_dense_pruned_and_recovered(ci_run):
 def test_mlflow_records_lineage_models_and_registry(ci_run):
     """Datasets with DVC digests on every run that reads data, git/params tags, logged models with
     their metrics (trained and compressed), one registry alias per series and budget."""
-    workdir, result = ci_run
+    workdir, _ = ci_run
     from tasks.common.lineage import GIT_DIRTY, PARAMS_HASH, file_md5
-    from tasks.common.tracking import tracking_uri
 
-    client = mlflow.MlflowClient(tracking_uri(workdir))
-    exp = client.get_experiment_by_name("scalelab")
-    everything = client.search_runs([exp.experiment_id], max_results=5000)
-    tree, frontier = {}, {result["parent_run_id"]}
-    while frontier:
-        found = [r for r in everything if r.data.tags.get("mlflow.parentRunId") in frontier]
-        tree.update({r.info.run_id: r for r in found})
-        frontier = {r.info.run_id for r in found}
-    runs = list(tree.values())
+    client, exp, runs = pipeline_runs(ci_run)
     assert all(PARAMS_HASH in r.data.tags for r in runs)
     if (ROOT / ".git").exists():
         assert all(r.data.tags.get("mlflow.source.git.commit") and r.data.tags[GIT_DIRTY] in ("true", "false")
@@ -202,7 +199,8 @@ def test_mlflow_records_lineage_models_and_registry(ci_run):
         for tokens in set(train["tokens"]):
             version = client.get_model_version_by_alias(series, f"best-{tokens}")
             best = train.filter((pl.col("variant") == series) & (pl.col("tokens") == tokens)).sort("val_loss")
-            assert client.get_logged_model(version.model_id).tags["scalelab.model_key"] == f"{series}/{best['run'][0]}"
+            model_id = version.source.removeprefix("models:/")
+            assert client.get_logged_model(model_id).tags["scalelab.model_key"] == f"{series}/{best['run'][0]}"
 
 
 def test_prefect_artifacts_link_each_stage_to_its_mlflow_run(ci_run):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -178,13 +179,17 @@ def test_registered_model_loads_back_with_the_folders_logits(tmp_path: Path):
     out = tmp_path / "models" / "raw" / "d32"
     result = train_model(ladder(cfg)[0], cfg, data[:5000], data[5000:], out)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    mlflow.set_tracking_uri(uri)
     with tracked_run("train:raw:d32", uri=uri, experiment="t") as run:
         model_id = log_model_ref(run, "raw-d32", {"kind": "trained", "model_dir": str(out.resolve())},
                                  key="raw/d32", metrics={"val_loss": result.val_loss, "ppl": None})
+    env = os.environ.get("MLFLOW_TRACKING_URI")
     version = register_alias(uri, "raw", model_id, "best-512", run_id=run.run_id)
     client = mlflow.MlflowClient(uri)
-    assert str(client.get_model_version_by_alias("raw", "best-512").version) == version
+    registered = client.get_model_version_by_alias("raw", "best-512")
+    # linked to the logged model by its source (MLflow's SQL registry keeps no model_id column)
+    assert str(registered.version) == version and registered.source == f"models:/{model_id}"
+    assert mlflow.get_tracking_uri() != uri  # the process-wide URI was restored after registering
+    assert os.environ.get("MLFLOW_TRACKING_URI") == env  # and the variable (the test session's own store)
     logged = client.get_logged_model(model_id)
     assert [m.key for m in logged.metrics] == ["val_loss"]  # ppl None: missing, not 0
     assert find_models(uri, "t") == {"raw/d32": model_id}
@@ -193,6 +198,7 @@ def test_registered_model_loads_back_with_the_folders_logits(tmp_path: Path):
     assert sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) < 50_000
     assert not list(store.rglob("*.safetensors"))
 
+    mlflow.set_tracking_uri(uri)  # registry look-ups go through the process-wide store; registering did not
     loaded = mlflow.pyfunc.load_model("models:/raw@best-512")
     ids = np.asarray(data[5000:5000 + 2 * 32].astype(np.int64)).reshape(2, 32)
     got = loaded.predict(ids)
