@@ -7,6 +7,8 @@
     scalelab eval tasks --model smollm2 --tasks arc_easy,piqa --limit 50 --out eval/
     scalelab microbench --matrix correctness.csv --sizes 10,25,50,100,250 --out mb/
     scalelab select --preset ci             # DDCF fine-tuning data selection -> reports/ddcf.csv
+    scalelab prune --model smollm2 --method cosine_drop --set n_remove=2 --out pruned/
+    scalelab distill --teacher smollm2 --student pruned/ --loss csd --data-select paser --out recovered/
     scalelab check-params                   # load every params file under every preset
     scalelab report [--workdir DIR]         # what a finished workdir found (rewrites reports/summary.md)
     scalelab serve                          # scheduled deployments on this machine

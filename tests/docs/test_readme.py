@@ -363,6 +363,23 @@ def check_curate(sh: Shell, cmd: Command) -> None:
     assert quarantine["line"].to_list() == [len(lines)], quarantine
 
 
+def check_prune(sh: Shell, cmd: Command) -> None:
+    sh.ok(substituted(cmd))
+    out = sh.cwd / option(cmd, "--out")
+    record = json.loads((out / "scalelab.json").read_text())
+    assert record["params_after"] < record["params_before"] and record["ppl_after"] > 0, record
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists(), sorted(p.name for p in out.iterdir())
+
+
+def check_distill(sh: Shell, cmd: Command) -> None:
+    student = sh.cwd / option(cmd, "--student")
+    before = json.loads((student / "scalelab.json").read_text())["ppl_after"]
+    sh.ok(substituted(cmd))
+    record = json.loads((sh.cwd / option(cmd, "--out") / "scalelab.json").read_text())
+    # the student as the prune command left it, scored again before recovery
+    assert record["ppl_before"] == pytest.approx(before, rel=1e-3) and record["ppl_after"] > 0, record
+
+
 def check_work_pool(sh: Shell, cmd: Command) -> None:
     assert "Created work pool" in sh.ok(substituted(cmd)).stdout
 
@@ -420,6 +437,8 @@ CHECKS = [
     Check(r"\.venv/bin/dvc exp run -S .*", check_dvc_exp),
     Check(r"\.venv/bin/scalelab check-params", check_params_ok),
     Check(r"\.venv/bin/scalelab curate --input \S+ --out \S+ --recipe \S+", check_curate),
+    Check(r"\.venv/bin/scalelab prune --model \S+ --method \S+( --set \S+)* --out \S+", check_prune),
+    Check(r"\.venv/bin/scalelab distill --teacher \S+ --student \S+ .* --out \S+", check_distill),
     Check(r"\.venv/bin/scalelab serve", check_serve),
     Check(r"\.venv/bin/prefect server start .*", check_prefect_server),
     Check(r"\.venv/bin/prefect work-pool create .*", check_work_pool),
