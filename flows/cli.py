@@ -3,6 +3,7 @@
     scalelab run all --preset ci            # the whole pipeline
     scalelab run train                      # one stage (what dvc.yaml calls)
     scalelab curate --input docs.jsonl --out out/ --recipe dedup_gopher_c4
+    scalelab curate --input new/*.jsonl --out out2/ --recipe dedup_gopher_c4 --index idx/ --index-update
     scalelab fit --points points.csv --out fits/
     scalelab eval tasks --model smollm2 --tasks arc_easy,piqa --limit 50 --out eval/
     scalelab microbench --matrix correctness.csv --sizes 10,25,50,100,250 --out mb/
@@ -82,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     cur.add_argument("--rewrite-kind", choices=("local", "openai"), help="rewrite generator (default: curation.rewrite.kind)")
     cur.add_argument("--base-url", help="OpenAI-compatible server for --rewrite-kind openai")
     cur.add_argument("--model", help="model name the server serves (openai) or a local model folder (local)")
+    # Override curation.index from the recipe file: dedup against (and extend) an earlier corpus.
+    cur.add_argument("--index", type=Path, metavar="DIR", help="dedup index of earlier corpora: documents "
+                     "duplicating it are dropped (duplicate_of = the indexed id) (default: curation.index.path)")
+    cur.add_argument("--index-update", action="store_true", default=None, help="add the kept documents to "
+                     "--index DIR afterwards (created if missing) (default: curation.index.update)")
     _common(cur)
 
     fit = sub.add_parser("fit", help="fit L(N, D) to a CSV of N, D, loss[, variant]")
@@ -280,8 +286,14 @@ def _curate(args: argparse.Namespace, root: Path) -> int:
     stats = curate_any(
         inputs=args.input, out=args.out, recipe=args.recipe, recipe_file=args.recipe_file,
         root=root, preset=args.preset, workers=args.workers, runner=args.runner, rewrite=rewrite,
+        index=args.index, index_update=args.index_update,
     )
     print(f"kept {stats.get('docs_kept')} of {stats.get('docs_in')} documents -> {args.out}")
+    if "index" in stats:
+        ix = stats["index"]
+        dup = sum(s.get("duplicates_of_index", 0) for s in stats.get("steps", []))
+        print(f"index {ix['path']}: {dup} documents dropped as duplicates of its {ix['docs_before']}"
+              + (f"; {ix['docs_added']} added ({ix['docs_after']} indexed)" if "docs_after" in ix else ""))
     if stats.get("run", {}).get("rewrite_pending"):
         print(f"{stats['run']['rewrite_pending']} documents still to rewrite (budget or max_docs_per_run spent): "
               "run the same command again to resume")

@@ -54,6 +54,27 @@ def variant_row(variant: str, stats: dict) -> dict:
     return row
 
 
+def read_dedup_index(cfg: CurationConfig, docs: pl.DataFrame):
+    """The pipeline's ``curation.index``: read only (``update`` is for ``scalelab curate``, since the
+    stage builds several variants of one corpus), refused when it already holds ``docs``' ids.
+    DVC does not see the index folder: after changing its contents, rerun with ``dvc repro -f curate``."""
+    from tasks.curation.dedup import load_index
+
+    if cfg.index.path is None:
+        return None
+    if cfg.index.update:
+        raise ConfigError("params/curation.yaml: curation.index.update: the pipeline's curate stage reads an "
+                          "index but does not extend one; extend it with `scalelab curate --index DIR --index-update`")
+    try:
+        index = load_index(cfg.index.path)
+        for recipe in (cfg.variants[v] for v in cfg.active):
+            index.minhash_config_for([s.settings for s in recipe.steps if s.kind == "minhash"])
+        index.refuse_indexed(docs["id"])
+    except ValueError as exc:
+        raise ConfigError(f"params/curation.yaml: curation.index.path: {exc}") from None
+    return index
+
+
 @flow(name="curate", log_prints=True)
 def curate_flow(
     root: str = ".",
@@ -76,6 +97,7 @@ def curate_flow(
             previous = pl.read_parquet(cache_dir / "rewrites.parquet") if (cache_dir / "rewrites.parquet").exists() else None
             rewriter = DocumentRewriter.from_config(cfg.rewrite, previous=previous)
         filter_cache = FilterCache()  # variants sharing a filter judge each text once
+        index = read_dedup_index(cfg, docs)
         deco = None
         if cfg.decontamination.enabled:
             deco = ValDecontaminator.from_val(read_prepared_val(layout.prepared)["text"], cfg.decontamination)
@@ -86,7 +108,7 @@ def curate_flow(
                                recipe=[s.kind for s in recipe.steps]) as child:
                     try:
                         result = run_recipe(docs, recipe, rewriter=rewriter, filter_cache=filter_cache,
-                                            decontaminate=deco)
+                                            decontaminate=deco, index=index)
                     finally:
                         if rewriter is not None:  # keep finished generations even if the step failed
                             write_parquet(cache_dir / "rewrites.parquet", rewriter.results)
@@ -132,7 +154,7 @@ def load_recipe(recipe: str, recipe_file: Path | None, root: Path, preset: str |
 def curate_any(
     *, inputs: list[Path], out: Path, recipe: str, recipe_file: Path | None, root: Path,
     preset: str | None = None, workers: int = 2, runner: str = "local",
-    rewrite: dict | None = None, generator=None,
+    rewrite: dict | None = None, generator=None, index: Path | None = None, index_update: bool | None = None,
 ) -> dict:
     """``scalelab curate``: one recipe over any JSONL/Parquet corpus, sharded and resumable.
 
@@ -149,6 +171,16 @@ def curate_any(
     the result counts them. Token statistics (and mix ratios) use the pipeline's BPE tokenizer when
     ``root/data/tokenizer/tokenizer.json`` exists, else whitespace words; ``token_count`` in the
     result says which.
+
+    Dedup against an earlier corpus: ``index`` (``--index DIR``, else ``curation.index.path`` of
+    the recipe file) is a folder written by an earlier run with ``index_update``
+    (``--index-update``, else ``curation.index.update``). Its documents win every exact or MinHash
+    cluster, so this corpus's copies of them are dropped with ``duplicate_of`` naming the indexed
+    id. With ``index_update``, the kept documents (``out/kept.parquet`` as written) are then added
+    to the index, which is created when the folder does not exist yet and replaced whole
+    (:func:`tasks.common.io.atomic_dir`), MinHash signatures made with the index's settings (or
+    the recipe's minhash step for a new index). The result's ``index`` says what was read and
+    added.
     """
     import dataclasses
 
@@ -166,6 +198,15 @@ def curate_any(
             gen_cfg = dataclasses.replace(cfg.rewrite, **{k: v for k, v in (rewrite or {}).items() if v is not None})
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{recipe_file or root / 'params' / 'curation.yaml'}: curation.rewrite: {exc}") from None
+    idx_cfg = cfg.index
+    if index is not None or index_update is not None:
+        try:
+            idx_cfg = dataclasses.replace(cfg.index, **{k: v for k, v in
+                                                        (("path", None if index is None else str(index)),
+                                                         ("update", index_update)) if v is not None})
+        except ValueError as exc:
+            raise ConfigError(f"--index-update: {exc} (give --index DIR)") from None
+    dedup_index, index_cfg = _open_index(idx_cfg, chosen)
     check_inputs(inputs)  # before the lock creates `out`: refused input leaves nothing behind
     executor = None
     if runner == "ray":
@@ -190,16 +231,74 @@ def curate_any(
             write_json(used, keys)
         try:
             stats = curate_corpus(inputs, out, chosen, n_workers=workers, shard_docs=cfg.shard_docs,
-                                  executor=executor, rewriter=rewriter, token_count=token_count)
+                                  executor=executor, rewriter=rewriter, token_count=token_count,
+                                  index=dedup_index)
         finally:
             if rewriter is not None:  # keep finished generations even if a step failed
                 write_parquet(cache, rewriter.results)
+        if idx_cfg.path is not None:
+            stats["index"] = {"path": idx_cfg.path, "docs_before": len(dedup_index), "docs_added": 0}
+            if idx_cfg.update:
+                stats["index"] |= _extend_index(dedup_index, index_cfg, Path(idx_cfg.path), out, inputs,
+                                                workers=workers, executor=executor)
         pending = sum(s.get("rewrite_pending", 0) for s in stats.get("steps", []) if s.get("step") == "rewrite")
         if pending:
             reopen_rewrite_segments(out / ".shards")
         stats["run"]["rewrite_pending"] = pending
         stats["token_count"] = getattr(token_count, "path", None) or "whitespace_words"
         return stats
+
+
+def _open_index(idx_cfg, recipe):
+    """The index a run reads (empty when ``update`` creates a new folder) and the MinHash
+    settings it holds or will hold; every refusal (missing folder, bad files, other MinHash
+    settings, no signatures for a minhash step) comes before anything is written."""
+    from tasks.curation.dedup import DedupIndex, load_index
+
+    if idx_cfg.path is None:
+        return None, None
+    folder = Path(idx_cfg.path)
+    if idx_cfg.update and not folder.exists():
+        index = DedupIndex()
+    else:
+        try:
+            index = load_index(folder)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}{'' if idx_cfg.update else '; to create it, add --index-update'}") from None
+    try:
+        index_cfg = index.minhash_config_for([s.settings for s in recipe.steps if s.kind == "minhash"])
+    except ValueError as exc:
+        raise ConfigError(f"{folder}: {exc}") from None
+    return index, index_cfg
+
+
+def _extend_index(index, index_cfg, folder: Path, out: Path, inputs: list[Path], *, workers: int,
+                  executor) -> dict:
+    """Add ``out/kept.parquet``'s documents to ``index`` and write it to ``folder`` whole."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from datetime import datetime, timezone
+
+    from tasks.common.io import atomic_dir
+    from tasks.curation.dedup import build_index, save_index
+
+    kept = pl.read_parquet(out / "kept.parquet", columns=["id", "text"])
+    own_pool = None
+    if executor is None and workers > 1 and index_cfg is not None and kept.height:
+        own_pool = executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        added = build_index(kept["text"], kept["id"], index_cfg, executor=executor,
+                            n_shards=max(1, workers) if executor is not None else 1)
+    finally:
+        if own_pool is not None:
+            own_pool.shutdown()
+    grown = index.extended(exact=added.exact, minhash_ids=added.minhash_ids, minhash_sig=added.minhash_sig,
+                           cfg=index_cfg)
+    grown.history.append({"out": str(out), "inputs": [str(p) for p in inputs], "docs_added": kept.height,
+                          "at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    with atomic_dir(folder) as tmp:
+        save_index(grown, tmp)
+    return {"docs_added": kept.height, "docs_after": len(grown)}
 
 
 def reopen_rewrite_segments(parts: Path) -> list[Path]:

@@ -1,8 +1,10 @@
 """Exact and MinHash-LSH near-duplicate detection, keyed by the caller's own document ids.
 
 Both detectors return ``duplicate_of`` (Utf8, one per document): null for documents that are kept,
-else the id of the kept representative of their cluster — the cluster's first document in input
-order. Results depend only on the input (no worker count, no hash-order effects), so reruns agree.
+else the id of the kept representative of their cluster — its lowest id in string order, or the
+lowest id of a persisted :class:`DedupIndex` (an earlier corpus) in the cluster, since indexed
+documents are already published and are never dropped. Results depend only on the input (no
+input order, shard or worker count, no hash-order effects), so reruns agree.
 
 MinHash follows Broder (1997), "On the resemblance and containment of documents": for a document's
 set of word n-gram shingles S and random hash functions h_k, P[min h_k(S_a) = min h_k(S_b)] =
@@ -18,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +37,9 @@ _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 class MinHashConfig:
     """MinHash-LSH settings; defaults are datatrove's (word 5-grams, 14 bands × 8 rows, seed 1).
 
-    ``threshold``: when set (0.7–1.0), every LSH candidate pair is verified — a document joins a
-    cluster only if the fraction of equal signature entries with the bucket's first document (the
-    MinHash estimate of their Jaccard similarity) is >= threshold. Choose ``bands``/``rows`` so
+    ``threshold``: when set (0.7–1.0), every LSH candidate pair is verified — two documents are
+    linked only if the fraction of equal signature entries (the MinHash estimate of their Jaccard
+    similarity) is >= threshold; clusters are the connected components of linked pairs. Choose ``bands``/``rows`` so
     the LSH step (1/b)^(1/r) lies below the threshold (e.g. 28 × 4 ≈ 0.43 for 0.8), so that
     candidates are found with high probability and verification decides.
     ``lowercase`` / ``remove_punctuation`` / ``normalise_numbers``: text normalisation before
@@ -394,6 +396,69 @@ class DedupIndex:
     minhash_ids: pl.Series | None = None
     minhash_sig: np.ndarray | None = None
     minhash_config: dict | None = None
+    #: one entry per corpus added (what the caller records: output folder, documents added)
+    history: list[dict] = field(default_factory=list)
+
+    @property
+    def ids(self) -> pl.Series:
+        """Every indexed id (Utf8), exact and MinHash parts together, each once."""
+        parts = [x.cast(pl.Utf8) for x in (None if self.exact is None else self.exact["id"], self.minhash_ids)
+                 if x is not None]
+        return pl.concat(parts).unique(maintain_order=True).alias("id") if parts else pl.Series("id", [], pl.Utf8)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def has_minhash(self) -> bool:
+        return self.minhash_ids is not None and len(self.minhash_ids) > 0
+
+    def fingerprint(self) -> str:
+        """sha256 of the indexed ids, digests, signatures and MinHash config: what a dedup result
+        against this index depends on (a resumable run keys its finished parts on it)."""
+        h = hashlib.sha256(json.dumps(self.minhash_config, sort_keys=True).encode())
+        if self.exact is not None:
+            for col in ("id", "digest"):
+                h.update("\0".join(self.exact[col].cast(pl.Utf8).to_list()).encode() + b"\1")
+        if self.minhash_ids is not None:
+            h.update("\0".join(self.minhash_ids.to_list()).encode() + b"\1")
+            h.update(np.ascontiguousarray(self.minhash_sig).tobytes())
+        return h.hexdigest()
+
+    def refuse_indexed(self, ids: pl.Series) -> None:
+        """``ValueError`` when any of a new corpus's ids is already indexed: deduplicating a corpus
+        against an index that holds it drops its documents as copies of themselves."""
+        if not len(self):
+            return
+        ids = ids.cast(pl.Utf8)
+        clash = ids.filter(ids.is_in(self.ids.implode()))
+        if len(clash):
+            raise ValueError(f"index: {len(clash)} of this corpus's ids are already indexed (e.g. {clash[0]!r}): "
+                             "was this corpus added to the index already (a rerun after an index update)? "
+                             "Deduplicating it against itself would drop those documents; give new "
+                             "documents distinct ids (an `id` key) or use an index without them")
+
+    def minhash_config_for(self, recipe_configs: Sequence[MinHashConfig]) -> MinHashConfig | None:
+        """The one MinHash config a run against this index uses, checked before any work.
+
+        ``recipe_configs``: the settings of the recipe's ``minhash`` steps. They must agree with
+        each other and with the index's own config; an index that holds documents but no
+        signatures cannot deduplicate a ``minhash`` step (its texts are not stored). Returns the
+        index's config, else the recipe's, else ``None`` (exact digests only).
+        """
+        distinct = list(dict.fromkeys(recipe_configs))
+        if len(distinct) > 1:
+            raise ValueError("index: the recipe's minhash steps use different settings; one index holds "
+                             "signatures of one MinHash config")
+        for cfg in distinct:
+            self.check_config(cfg)
+            if not self.has_minhash and len(self):
+                raise ValueError(f"index: holds {len(self)} documents but no MinHash signatures (it was built "
+                                 "by a recipe without a minhash step), so a minhash step cannot compare "
+                                 "against it; rebuild the index with a recipe that has one")
+        if self.minhash_config is not None:
+            return MinHashConfig(**self.minhash_config)
+        return distinct[0] if distinct else None
 
     def check_config(self, cfg: MinHashConfig) -> None:
         if self.minhash_config is not None and self.minhash_config != asdict(cfg):
@@ -406,25 +471,36 @@ class DedupIndex:
         """A new index holding this one plus the given (kept) documents of a new corpus."""
         if cfg is not None:
             self.check_config(cfg)
+        added = [x["id"] if isinstance(x, pl.DataFrame) else x for x in (exact, minhash_ids) if x is not None]
+        if added and len(self):
+            new_ids = pl.concat([x.cast(pl.Utf8) for x in added]).unique()
+            clash = new_ids.filter(new_ids.is_in(self.ids.implode()))
+            if len(clash):
+                raise ValueError(f"index: {len(clash)} of the added ids are already indexed (e.g. {clash[0]!r}); "
+                                 "ids are the index's keys")
         ex = self.exact if exact is None else exact if self.exact is None else pl.concat([self.exact, exact])
         if minhash_ids is None:
             return DedupIndex(exact=ex, minhash_ids=self.minhash_ids, minhash_sig=self.minhash_sig,
-                              minhash_config=self.minhash_config)
+                              minhash_config=self.minhash_config, history=list(self.history))
         if self.minhash_ids is not None:
             minhash_ids = pl.concat([self.minhash_ids, minhash_ids.cast(pl.Utf8)])
-            minhash_sig = np.concatenate([self.minhash_sig, minhash_sig])
+            minhash_sig = np.concatenate([self.minhash_sig, minhash_sig.astype(self.minhash_sig.dtype)])
         return DedupIndex(exact=ex, minhash_ids=minhash_ids.cast(pl.Utf8), minhash_sig=minhash_sig,
-                          minhash_config=asdict(cfg) if cfg is not None else self.minhash_config)
+                          minhash_config=asdict(cfg) if cfg is not None else self.minhash_config,
+                          history=list(self.history))
 
 
-def build_index(texts: pl.Series, ids: pl.Series, cfg: MinHashConfig | None = None) -> DedupIndex:
-    """Index of a corpus's documents: exact digests always, MinHash signatures when ``cfg``."""
+def build_index(texts: pl.Series, ids: pl.Series, cfg: MinHashConfig | None = None, *, executor=None,
+                n_shards: int = 1) -> DedupIndex:
+    """Index of a corpus's documents: exact digests always, MinHash signatures when ``cfg``
+    (computed in ``n_shards`` pieces through ``executor``, as in :func:`minhash_duplicates`)."""
     ids = _check_ids(texts, ids)
     exact = pl.DataFrame({"id": ids, "digest": exact_digests(texts)})
     if cfg is None:
         return DedupIndex(exact=exact)
-    return DedupIndex(exact=exact, minhash_ids=ids, minhash_sig=minhash_signatures(texts, cfg),
-                      minhash_config=asdict(cfg))
+    bounds = np.linspace(0, len(texts), max(1, n_shards) + 1).astype(int)
+    sig = minhash_signatures_sharded([texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])], cfg, executor)
+    return DedupIndex(exact=exact, minhash_ids=ids, minhash_sig=sig, minhash_config=asdict(cfg))
 
 
 def save_index(index: DedupIndex, folder: str | Path) -> None:
@@ -434,19 +510,53 @@ def save_index(index: DedupIndex, folder: str | Path) -> None:
         index.exact.write_parquet(folder / "exact.parquet")
     if index.minhash_ids is not None:
         pl.DataFrame({"id": index.minhash_ids, "signature": index.minhash_sig}).write_parquet(folder / "minhash.parquet")
-    (folder / "index.json").write_text(json.dumps({"minhash_config": index.minhash_config}, indent=1))
+    (folder / "index.json").write_text(json.dumps({"minhash_config": index.minhash_config, "docs": len(index),
+                                                   "history": index.history}, indent=1))
 
 
 def load_index(folder: str | Path) -> DedupIndex:
-    """Read a folder written by :func:`save_index`; a missing folder or manifest is an error."""
+    """Read a folder written by :func:`save_index`. A missing manifest, an unreadable file or a
+    file without the expected columns is a ``ValueError`` naming the file."""
     folder = Path(folder)
     manifest = folder / "index.json"
     if not manifest.is_file():
-        raise ValueError(f"index: {manifest} not found (write one with save_index / scalelab curate --index)")
-    meta = json.loads(manifest.read_text())
-    exact = pl.read_parquet(folder / "exact.parquet") if (folder / "exact.parquet").is_file() else None
+        raise ValueError(f"index: {manifest} not found (build one with save_index or "
+                         "`scalelab curate --index DIR --index-update`)")
+    try:
+        meta = json.loads(manifest.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"index: {manifest}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"index: {manifest}: expected a JSON object")
+
+    def read(name: str, columns: tuple[str, ...]) -> pl.DataFrame | None:
+        path = folder / name
+        if not path.is_file():
+            return None
+        try:
+            frame = pl.read_parquet(path)
+        except (pl.exceptions.PolarsError, OSError) as exc:
+            raise ValueError(f"index: {path}: not a readable Parquet file ({exc})") from None
+        missing = [c for c in columns if c not in frame.columns]
+        if missing:
+            raise ValueError(f"index: {path}: missing column(s) {missing}; columns are {frame.columns}")
+        return frame
+
+    exact = read("exact.parquet", ("id", "digest"))
     ids = sig = None
-    if (folder / "minhash.parquet").is_file():
-        mh = pl.read_parquet(folder / "minhash.parquet")
-        ids, sig = mh["id"].cast(pl.Utf8), mh["signature"].to_numpy()
-    return DedupIndex(exact=exact, minhash_ids=ids, minhash_sig=sig, minhash_config=meta.get("minhash_config"))
+    mh = read("minhash.parquet", ("id", "signature"))
+    if mh is not None:
+        cfg = meta.get("minhash_config")
+        if not isinstance(cfg, dict):
+            raise ValueError(f"index: {manifest}: minhash.parquet present but no minhash_config")
+        mcfg = MinHashConfig(**cfg)
+        width = mcfg.num_perm
+        ids = mh["id"].cast(pl.Utf8)
+        sig = (mh["signature"].to_numpy() if mh.height else
+               np.zeros((0, width), np.uint64 if mcfg.hash_bits == 64 else np.uint32))
+        if sig.ndim != 2 or (len(sig) and sig.shape[1] != width):
+            raise ValueError(f"index: {folder / 'minhash.parquet'}: signatures of shape {sig.shape}, "
+                             f"expected (n, {width}) for its minhash_config")
+    return DedupIndex(exact=exact.select("id", "digest") if exact is not None else None, minhash_ids=ids,
+                      minhash_sig=sig, minhash_config=meta.get("minhash_config"),
+                      history=list(meta.get("history", [])))

@@ -39,7 +39,7 @@ import polars as pl
 
 from tasks.common.config import require
 from tasks.curation.crawl import CRAWL_FILTERS
-from tasks.curation.dedup import MinHashConfig, exact_duplicates, minhash_duplicates
+from tasks.curation.dedup import DedupIndex, MinHashConfig, exact_duplicates, minhash_duplicates
 from tasks.curation.decontam import DecontaminationConfig, ValDecontaminator
 from tasks.curation.filters import FILTERS, FilterResult
 from tasks.curation.rewrite import STYLES, GeneratorConfig
@@ -178,12 +178,33 @@ class Recipe:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DedupIndexConfig:
+    """``curation.index``: a persisted dedup index of an earlier corpus (:class:`DedupIndex`).
+
+    ``path``: its folder. The recipe's ``exact_dedup`` and ``minhash`` steps then also drop the
+    documents that duplicate an indexed one, ``duplicate_of`` naming the indexed id (indexed
+    documents always win). null = no index.
+    ``update``: after the run, add this corpus's kept documents to the index (created if the
+    folder does not exist yet), so the next corpus is deduplicated against both. ``scalelab
+    curate`` only: the pipeline builds several variants of one corpus, so it reads an index
+    but does not extend one.
+    """
+
+    path: str | None = None
+    update: bool = False
+
+    def __post_init__(self) -> None:
+        require(not (self.update and self.path is None), "update", "needs index.path (the folder to extend)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CurationConfig:
     """The ``curation`` section of params/curation.yaml.
 
     ``variants`` defines every recipe; ``active`` names the ones this preset builds
     (presets change only the list). ``rewrite`` configures the generator for rewrite
-    steps; ``shard_docs``/``n_workers`` size the sharded engine. ``decontamination`` removes,
+    steps; ``shard_docs``/``n_workers`` size the sharded engine; ``index`` names a persisted
+    dedup index of an earlier corpus (:class:`DedupIndexConfig`). ``decontamination`` removes,
     from every variant after its recipe, the documents that largely repeat validation text
     (:mod:`tasks.curation.decontam`).
     """
@@ -194,6 +215,7 @@ class CurationConfig:
     decontamination: DecontaminationConfig = field(default_factory=DecontaminationConfig)
     shard_docs: int = 20_000
     n_workers: int = 2
+    index: DedupIndexConfig = field(default_factory=DedupIndexConfig)
 
     def __post_init__(self) -> None:
         require(len(self.active) > 0, "active", "name at least one variant")
@@ -341,23 +363,33 @@ def apply_step(
     rewriter: Callable[[pl.DataFrame, str, int | None], pl.DataFrame] | None = None,
     token_count: TokenCount = whitespace_words,
     filter_cache: FilterCache | None = None,
+    index: DedupIndex | None = None,
 ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
     """Apply one :class:`Step` to a working frame; returns ``(kept, dropped, step_stats)``.
 
     Filter steps act per document (safe to run on shards); ``exact_dedup``,
     ``minhash``, ``rewrite`` and ``mix`` need the whole corpus (``s.is_global``).
+    ``index`` (an earlier corpus, :class:`~tasks.curation.dedup.DedupIndex`): the dedup steps
+    also drop documents duplicating an indexed one, ``duplicate_of`` naming the indexed id, and
+    count them in ``duplicates_of_index``.
     """
     docs = _as_working(docs)
     kind, cfg = s.kind, s.settings
     info: dict[str, Any] = {"step": kind}
     if kind in ("exact_dedup", "minhash"):
+        if index is not None and not len(index):
+            index = None
         if kind == "exact_dedup":
-            dup = exact_duplicates(docs["text"], docs["id"])
+            dup = exact_duplicates(docs["text"], docs["id"], index=index)
             reason = "exact_dedup.duplicate"
         else:
-            dup = minhash_duplicates(docs["text"], docs["id"], cfg)
+            if index is not None:
+                index.minhash_config_for([cfg])  # refuses an index without signatures, or of other settings
+            dup = minhash_duplicates(docs["text"], docs["id"], cfg, index=index)
             reason = "minhash.near_duplicate"
         is_dup = dup.is_not_null()
+        if index is not None:
+            info["duplicates_of_index"] = int(dup.is_in(index.ids.implode()).sum())
         dropped = _dropped(docs.filter(is_dup), reason, dup.filter(is_dup).cast(pl.Utf8))
         kept = docs.filter(~is_dup)
     elif kind == "rewrite":
@@ -455,6 +487,7 @@ def run_recipe(
     token_count: TokenCount = whitespace_words,
     filter_cache: FilterCache | None = None,
     decontaminate: ValDecontaminator | None = None,
+    index: DedupIndex | None = None,
 ) -> CurationResult:
     """Apply ``recipe`` to ``docs`` (columns ``id``, ``text``; ``source``/``url``/``title`` optional).
 
@@ -467,7 +500,7 @@ def run_recipe(
     ``decontaminate`` (built from the validation split) runs last, on the recipe's final texts
     (a rewrite can copy validation text too), as a step ``val_decontamination`` that drops with
     reason ``val_contamination`` and records the validation n-gram share found in the variant's
-    training text before and after it.
+    training text before and after it. ``index``: see :func:`apply_step`.
 
     >>> res = run_recipe(prepared.train, cfg.recipe("dedup_gopher"))
     """
@@ -477,7 +510,7 @@ def run_recipe(
     steps = []
     for s in recipe.steps:
         work, dropped, info = apply_step(work, s, rewriter=rewriter, token_count=token_count,
-                                         filter_cache=filter_cache)
+                                         filter_cache=filter_cache, index=index)
         dropped_parts.append(dropped)
         steps.append(info)
     kept = finalize(work)

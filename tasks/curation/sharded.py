@@ -32,6 +32,7 @@ import polars as pl
 from tasks.common.config import require, to_dict
 from tasks.common.faults import fault_point
 from tasks.common.io import read_json, write_json, write_parquet, write_text
+from tasks.curation.dedup import DedupIndex
 from tasks.curation.prepare import drop_duplicate_ids, shard_frame
 from tasks.curation.recipes import (
     DROPPED_SCHEMA,
@@ -189,6 +190,7 @@ def curate_corpus(
     executor: Executor | None = None,
     rewriter: Callable[[pl.DataFrame, str, int | None], pl.DataFrame] | None = None,
     token_count: TokenCount = whitespace_words,
+    index: DedupIndex | None = None,
 ) -> dict:
     """Curate files into ``out_dir/{kept,dropped,quarantine}.parquet`` and ``stats.json``; return the stats.
 
@@ -197,6 +199,12 @@ def curate_corpus(
     when ``n_workers == 1``. Worker functions must be importable by the workers.
     The returned dict is ``stats.json`` plus ``run`` (``shards_computed``,
     ``shards_reused``), which is not written, so a resumed run's files are identical.
+
+    ``index``: a :class:`DedupIndex` of an earlier corpus; the dedup steps also drop documents
+    duplicating it (see :func:`tasks.curation.recipes.apply_step`). Its fingerprint is part of
+    the resume key, and ``stats.json`` records it (``dedup_index``). Ids already in the index are
+    refused before anything is written: this corpus, or part of it, was added already, and
+    deduplicating it against itself would drop those documents as copies of themselves.
     """
     require(n_workers > 0, "n_workers", "must be positive")
     require(shard_docs > 0, "shard_docs", "must be positive")
@@ -211,6 +219,12 @@ def curate_corpus(
     quarantine = pl.concat([quarantine, dup_q])
 
     fingerprint = _fingerprint(input_paths, recipe, shard_docs) + ":" + _content_digest(docs)
+    index_stats = None
+    if index is not None and len(index):
+        index.minhash_config_for([s.settings for s in recipe.steps if s.kind == "minhash"])
+        index.refuse_indexed(docs["id"])
+        index_stats = {"docs": len(index), "fingerprint": index.fingerprint()}
+        fingerprint += ":index:" + index_stats["fingerprint"]
     manifest = parts / "manifest.json"
     if manifest.exists() and read_json(manifest).get("fingerprint") != fingerprint:
         shutil.rmtree(parts)  # inputs or recipe changed: old parts would mix two runs
@@ -236,7 +250,8 @@ def curate_corpus(
                 if (folder / MARKER).exists():
                     reused += 1
                 else:
-                    kept, dropped, info = apply_step(current, steps[0], rewriter=rewriter, token_count=token_count)
+                    kept, dropped, info = apply_step(current, steps[0], rewriter=rewriter, token_count=token_count,
+                                                     index=index)
                     _write_part(folder, kept, dropped, [info])
                     computed += 1
                 current, dropped, infos = _read_part(folder)
@@ -279,6 +294,8 @@ def curate_corpus(
         recipe=to_dict(recipe),
         shard_docs=shard_docs,
     )
+    if index_stats is not None:
+        stats["dedup_index"] = index_stats
     if records_read != stats["docs_in"] + quarantine.height:
         raise AssertionError(f"records read {records_read} != docs {stats['docs_in']} + quarantined {quarantine.height}")
     write_parquet(out / "kept.parquet", kept)
