@@ -82,12 +82,20 @@ def artifact_root(uri: str) -> str | None:
     return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
 
 
+# The MLflow 3 UI opens an experiment without this tag in its GenAI layout (models listed as
+# "Agent versions", no training-run views); scalelab's runs train models.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def _experiment_id(client, name: str, uri: str | None = None) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        if exp.tags.get("mlflow.experimentKind") is None:  # an older store: set once, never override a user's choice
+            client.set_experiment_tag(exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
         return exp.experiment_id
     try:
-        return client.create_experiment(name, artifact_location=artifact_root(uri) if uri else None)
+        return client.create_experiment(name, artifact_location=artifact_root(uri) if uri else None,
+                                        tags=EXPERIMENT_KIND)
     except Exception:  # created concurrently by another process
         exp = client.get_experiment_by_name(name)
         if exp is None:

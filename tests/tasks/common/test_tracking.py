@@ -45,6 +45,22 @@ def test_dvc_temp_experiments_log_to_the_main_tree(monkeypatch, tmp_path: Path):
     assert tracking_uri(tmp_path / "repo") == f"sqlite:///{tmp_path / 'repo' / 'mlflow.db'}"
 
 
+def test_experiments_open_in_the_uis_model_training_layout(uri: str):
+    from tasks.common.tracking import _experiment_id
+
+    client = mlflow.MlflowClient(uri)
+    kind = lambda name: client.get_experiment_by_name(name).tags.get("mlflow.experimentKind")  # noqa: E731
+    with tracked_run("train", uri=uri, experiment="new"):
+        pass
+    assert kind("new") == "custom_model_development"
+    client.create_experiment("older")  # a store written before the tag existed gets it on next use
+    _experiment_id(client, "older", uri)
+    assert kind("older") == "custom_model_development"
+    client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
+    _experiment_id(client, "chosen", uri)
+    assert kind("chosen") == "genai_development"
+
+
 def _orphan(client, uri: str, name: str, tags: dict) -> str:
     from tasks.common.tracking import _experiment_id
 
