@@ -185,6 +185,8 @@ def main() -> int:
     if not db.is_file():
         sys.exit(f"ui_check: no MLflow store at {db}: run `make demo` (or `scalelab run all --workdir DIR`) first")
     chromium = args.chromium or chromium_binary(install=not args.no_install)
+    if shutil.which(chromium) is None:
+        sys.exit(f"ui_check: --chromium {chromium}: no such executable")
     args.out.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="scalelab-ui-check-") as tmp:
