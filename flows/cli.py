@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ray-address", help="join this Ray cluster (e.g. auto, ray://head:10001)")
 
     cur = sub.add_parser("curate", help="curate any JSONL/Parquet corpus with a named recipe")
-    cur.add_argument("--input", required=True, nargs="+", type=Path, help="JSONL or Parquet file(s) with a `text` column")
+    cur.add_argument("--input", required=True, nargs="+", type=Path, help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file(s) or globs with a `text` column")
     cur.add_argument("--out", required=True, type=Path)
     cur.add_argument("--recipe", required=True, help="a variant name from the recipe file")
     cur.add_argument("--recipe-file", type=Path, help="YAML with a `curation:` section (default: params/curation.yaml)")

@@ -54,10 +54,11 @@ def variant_row(variant: str, stats: dict) -> dict:
     return row
 
 
-def read_dedup_index(cfg: CurationConfig, docs: pl.DataFrame):
+def read_dedup_index(cfg: CurationConfig, docs: pl.DataFrame, root: Path = Path(".")):
     """The pipeline's ``curation.index``: read only (``update`` is for ``scalelab curate``, since the
-    stage builds several variants of one corpus), refused when it already holds ``docs``' ids.
-    DVC does not see the index folder: after changing its contents, rerun with ``dvc repro -f curate``."""
+    stage builds several variants of one corpus), refused when it already holds ``docs``' ids. A
+    relative path is taken from the project ``root``. DVC does not see the index folder: after
+    changing its contents, rerun with ``dvc repro -f curate``."""
     from tasks.curation.dedup import load_index
 
     if cfg.index.path is None:
@@ -66,7 +67,7 @@ def read_dedup_index(cfg: CurationConfig, docs: pl.DataFrame):
         raise ConfigError("params/curation.yaml: curation.index.update: the pipeline's curate stage reads an "
                           "index but does not extend one; extend it with `scalelab curate --index DIR --index-update`")
     try:
-        index = load_index(cfg.index.path)
+        index = load_index(Path(root) / cfg.index.path)
         for recipe in (cfg.variants[v] for v in cfg.active):
             index.minhash_config_for([s.settings for s in recipe.steps if s.kind == "minhash"])
         index.refuse_indexed(docs["id"])
@@ -97,7 +98,7 @@ def curate_flow(
             previous = pl.read_parquet(cache_dir / "rewrites.parquet") if (cache_dir / "rewrites.parquet").exists() else None
             rewriter = DocumentRewriter.from_config(cfg.rewrite, previous=previous)
         filter_cache = FilterCache()  # variants sharing a filter judge each text once
-        index = read_dedup_index(cfg, docs)
+        index = read_dedup_index(cfg, docs, ctx.root)
         deco = None
         if cfg.decontamination.enabled:
             deco = ValDecontaminator.from_val(read_prepared_val(layout.prepared)["text"], cfg.decontamination)

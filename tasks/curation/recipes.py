@@ -364,6 +364,8 @@ def apply_step(
     token_count: TokenCount = whitespace_words,
     filter_cache: FilterCache | None = None,
     index: DedupIndex | None = None,
+    executor: Any = None,
+    n_shards: int = 1,
 ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
     """Apply one :class:`Step` to a working frame; returns ``(kept, dropped, step_stats)``.
 
@@ -371,7 +373,9 @@ def apply_step(
     ``minhash``, ``rewrite`` and ``mix`` need the whole corpus (``s.is_global``).
     ``index`` (an earlier corpus, :class:`~tasks.curation.dedup.DedupIndex`): the dedup steps
     also drop documents duplicating an indexed one, ``duplicate_of`` naming the indexed id, and
-    count them in ``duplicates_of_index``.
+    count them in ``duplicates_of_index``. ``executor``/``n_shards``: MinHash signatures are
+    computed in ``n_shards`` pieces through ``executor`` (any ``submit``), as in
+    :func:`~tasks.curation.dedup.minhash_duplicates`; the result does not depend on them.
     """
     docs = _as_working(docs)
     kind, cfg = s.kind, s.settings
@@ -385,7 +389,8 @@ def apply_step(
         else:
             if index is not None:
                 index.minhash_config_for([cfg])  # refuses an index without signatures, or of other settings
-            dup = minhash_duplicates(docs["text"], docs["id"], cfg, index=index)
+            dup = minhash_duplicates(docs["text"], docs["id"], cfg, index=index, executor=executor,
+                                     n_shards=n_shards)
             reason = "minhash.near_duplicate"
         is_dup = dup.is_not_null()
         if index is not None:

@@ -2,12 +2,15 @@
 
     scalelab curate --input data/*.jsonl --out out/curated --recipe dedup_gopher
 
-:func:`curate_corpus` reads JSONL/Parquet inputs (bad lines quarantined with file
-and line), then runs the recipe in *segments*: a run of per-document steps
-(heuristic filters) is applied shard by shard in parallel; a step that needs the
-whole corpus (``exact_dedup``, ``minhash``, ``rewrite``, ``mix``) runs once over the
-union of the shards, in input order — so dedup is global, and its result (which
-copy is kept) is the same as a single-process run.
+:func:`curate_corpus` reads JSONL (plain, ``.gz``, ``.zst``) and Parquet inputs, files or globs
+(bad lines quarantined with file and line), then runs the recipe in *segments*: a run of
+per-document steps (heuristic filters) is applied shard by shard in parallel; a step that needs
+the whole corpus (``exact_dedup``, ``minhash``, ``rewrite``, ``mix``) runs once over the union of
+the shards — MinHash signatures still shard by shard through the executor — so dedup is global,
+and its result (which copy is kept: the lowest id) is the same as a single-process run.
+
+Memory: the documents are held in memory as one Arrow frame (about the corpus's text size plus
+per-segment copies), not streamed; ``benchmarks/curation_scale.py`` measures the peak.
 
 Every shard and every global step writes its outputs under ``out_dir/.shards/``
 and then a ``DONE`` marker; a rerun after a crash reuses finished parts and
@@ -43,7 +46,7 @@ from tasks.curation.recipes import (
     finalize,
     whitespace_words,
 )
-from tasks.curation.sources import JsonlSource, ParquetSource, expand_paths, read_source
+from tasks.curation.sources import JSONL_SUFFIXES, JsonlSource, ParquetSource, expand_paths, read_source
 
 MARKER = "DONE"
 
@@ -77,10 +80,11 @@ def check_inputs(input_paths: Sequence[str | Path]) -> tuple[list, list]:
     for p in input_paths:
         if Path(p).is_dir():
             raise ValueError(f"{p}: is a directory; give its files or a glob such as {Path(p) / '*.jsonl'}")
-    jsonl = [p for p in input_paths if str(p).endswith((".jsonl", ".json", ".ndjson"))]
+    jsonl = [p for p in input_paths if str(p).endswith(JSONL_SUFFIXES)]
     parquet = [p for p in input_paths if str(p).endswith(".parquet")]
     other = [p for p in input_paths if p not in jsonl and p not in parquet]
-    require(not other, "input_paths", f"{other[0]}: unknown format; expected .jsonl or .parquet" if other else "")
+    require(not other, "input_paths",
+            f"{other[0]}: unknown format; expected .jsonl (.jsonl.gz, .jsonl.zst) or .parquet" if other else "")
     expand_paths(jsonl)
     for path, _ in expand_paths(parquet):
         try:
@@ -118,14 +122,17 @@ def _fingerprint(input_paths: Sequence[str | Path], recipe: Recipe, shard_docs: 
     return h.hexdigest()
 
 
-def _content_digest(docs: pl.DataFrame) -> str:
-    """A digest of the documents as read (ids and texts), so edited inputs invalidate old shards."""
+def _content_digest(docs: pl.DataFrame, batch: int = 10_000) -> str:
+    """A digest of the documents as read (ids and texts), so edited inputs invalidate old shards.
+    Hashed ``batch`` rows at a time: a whole-corpus ``to_list`` would double the texts in memory."""
     h = hashlib.sha256()
-    for doc_id, text in zip(docs["id"].to_list(), docs["text"].to_list()):
-        h.update(doc_id.encode())
-        h.update(b"\0")
-        h.update(text.encode())
-        h.update(b"\1")
+    for lo in range(0, docs.height, batch):
+        part = docs.slice(lo, batch)
+        for doc_id, text in zip(part["id"].to_list(), part["text"].to_list()):
+            h.update(doc_id.encode())
+            h.update(b"\0")
+            h.update(text.encode())
+            h.update(b"\1")
     return h.hexdigest()
 
 
@@ -250,8 +257,10 @@ def curate_corpus(
                 if (folder / MARKER).exists():
                     reused += 1
                 else:
+                    # MinHash signatures shard by shard through the executor, like per-document steps
                     kept, dropped, info = apply_step(current, steps[0], rewriter=rewriter, token_count=token_count,
-                                                     index=index)
+                                                     index=index, executor=executor,
+                                                     n_shards=max(1, -(-current.height // shard_docs)))
                     _write_part(folder, kept, dropped, [info])
                     computed += 1
                 current, dropped, infos = _read_part(folder)

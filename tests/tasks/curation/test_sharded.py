@@ -121,3 +121,19 @@ def test_parquet_input_and_errors(tmp_path):
         curate_corpus([str(tmp_path / "nothere.jsonl")], tmp_path / "o2", Recipe(), n_workers=1)
     with pytest.raises(ValueError, match="rewriter="):
         curate_corpus([str(p)], tmp_path / "o3", Recipe(steps=(step("rewrite", style="hq"),)), n_workers=1)
+
+
+def test_gzip_input_and_glob_curate_like_plain_jsonl(tmp_path):
+    import gzip
+
+    src = write_corpus(tmp_path / "in.jsonl")
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "in.jsonl.gz").write_bytes(gzip.compress((tmp_path / "in.jsonl").read_bytes()))
+    curate_corpus([src], tmp_path / "plain", RECIPE, shard_docs=6, executor=SerialExecutor())
+    stats = curate_corpus([str(tmp_path / "gz" / "*.jsonl.gz")], tmp_path / "gzout", RECIPE, shard_docs=6,
+                          executor=SerialExecutor())
+    plain, gz = read_outputs(tmp_path / "plain"), read_outputs(tmp_path / "gzout")
+    assert gz["kept.parquet"].equals(plain["kept.parquet"]) and gz["dropped.parquet"].equals(plain["dropped.parquet"])
+    assert stats["quarantined_by_reason"] == {"invalid_json": 1, "empty_text": 1}
+    with pytest.raises(ValueError, match=r"in.jsonl.bz2: unknown format; expected .jsonl \(.jsonl.gz, .jsonl.zst\)"):
+        curate_corpus([str(tmp_path / "in.jsonl.bz2")], tmp_path / "bad", RECIPE, executor=SerialExecutor())

