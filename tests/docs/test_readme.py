@@ -26,7 +26,6 @@ sequence is marked slow and runs in ``.ci/run``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -44,6 +43,8 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+
+from tests.processes import stop_process_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(sys.prefix)
@@ -179,20 +180,7 @@ class Shell:
 
     def stop(self, proc: subprocess.Popen) -> None:
         """SIGTERM the job and every process under it (infra/mlflow-ui.sh starts its own session), then SIGKILL."""
-        import psutil
-
-        try:
-            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            tree = []
-        for p in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.terminate()
-        _, alive = psutil.wait_procs(tree, timeout=30)
-        for p in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        proc.wait()
+        stop_process_tree(proc)
 
     def close(self) -> None:
         for proc in self.jobs:

@@ -10,7 +10,6 @@ otherwise start runs that write into the repository's default workdirs while the
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.processes import stop_process_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -71,21 +72,8 @@ class Processes:
         return done.stdout
 
     def close(self) -> None:
-        import psutil
-
         for proc in reversed(list(self.procs.values())):  # the worker (and its flow run) before the server
-            try:
-                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-            except psutil.NoSuchProcess:
-                tree = []
-            for p in tree:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    p.terminate()
-            _, alive = psutil.wait_procs(tree, timeout=30)
-            for p in alive:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    p.kill()
-            proc.wait(timeout=30)
+            stop_process_tree(proc)
 
 
 @pytest.fixture
