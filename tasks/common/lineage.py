@@ -201,13 +201,33 @@ def dataset_input(ref: DataRef, context: str):
     return DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)])
 
 
-def log_datasets(run: Any, refs: Iterable[DataRef] | None, context: str) -> None:
-    """Attach ``refs`` to ``run`` (a :class:`~tasks.common.tracking.TrackedRun`) as inputs under ``context``."""
-    refs = list(refs or [])
-    if refs:
-        from tasks.common.tracking import _client
+_INPUTS_LOCK = threading.Lock()
 
-        _client(run.uri).log_inputs(run.run_id, datasets=[dataset_input(r, context) for r in refs])
+
+def log_datasets(run: Any, refs: Iterable[DataRef] | None, context: str, *, attempts: int = 5) -> None:
+    """Attach ``refs`` to ``run`` (a :class:`~tasks.common.tracking.TrackedRun`) as inputs under ``context``.
+
+    MLflow's SQL store inserts a dataset row the first time a (name, digest) is logged; two runs
+    logging the same new dataset at once (the training points of one variant, in parallel) race
+    on that insert and one gets a UNIQUE-constraint error. Calls in this process are serialised;
+    a race with another process is retried (the row exists by then)."""
+    refs = list(refs or [])
+    if not refs:
+        return
+    from mlflow.exceptions import MlflowException
+
+    from tasks.common.tracking import _client
+
+    datasets = [dataset_input(r, context) for r in refs]
+    for attempt in range(attempts):
+        try:
+            with _INPUTS_LOCK:
+                _client(run.uri).log_inputs(run.run_id, datasets=datasets)
+            return
+        except MlflowException as exc:
+            if "UNIQUE constraint" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -207,3 +207,23 @@ def test_registered_model_loads_back_with_the_folders_logits(tmp_path: Path):
         want = model(torch.from_numpy(ids)).logits.float().numpy()
     assert got.shape == (2, 32, 256)
     np.testing.assert_array_equal(got, want)
+
+
+def test_parallel_runs_log_the_same_new_dataset(tmp_path: Path):
+    """The training points of one variant run in parallel and log the same (new) dataset at once."""
+    import contextlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "raw.npy", np.arange(64, dtype=np.uint16))
+    ref = data_ref(tmp_path, tmp_path / "data" / "raw.npy", "raw")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with tracked_run("train", uri=uri, experiment="t") as parent, contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(tracked_run(f"train:raw:{i}", uri=uri, experiment="t", parent=parent.ref()))
+                for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(lambda r: log_datasets(r, [ref], "training"), runs))
+    client = mlflow.MlflowClient(uri)
+    for r in runs:
+        inputs = client.get_run(r.run_id).inputs.dataset_inputs
+        assert [d.dataset.name for d in inputs] == ["raw"]
