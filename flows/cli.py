@@ -55,7 +55,10 @@ def _text_args(p: argparse.ArgumentParser, calib: int | None) -> None:
     if calib is not None:
         p.add_argument("--calib-tokens", type=int, default=calib, help="training tokens the method scores on")
     p.add_argument("--eval-tokens", type=int, default=4096)
-    p.add_argument("--seq-len", type=int, default=128 if calib is None else 256)
+    p.add_argument("--eval-seq-len", type=int, default=256, help="context of the perplexity windows (the same "
+                   "in prune and distill, so distill's `before` is prune's `after`)")
+    if calib is None:
+        p.add_argument("--seq-len", type=int, default=128, help="length of the training windows")
     if calib is not None:
         p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)

@@ -206,12 +206,12 @@ def prune_command(args: Any, root: Path) -> int:
     model, tok, meta = load_causal_lm(args.model)
     train, val = command_text(tok, root, args.preset, args.text, args.calib_tokens, args.eval_tokens)
     result = prune(model, cfg, calib_tokens=train)
-    before, after = _ppl(model, val, args.seq_len, args.batch_size), _ppl(result.model, val, args.seq_len, args.batch_size)
+    before, after = (_ppl(m, val, args.eval_seq_len, args.batch_size) for m in (model, result.model))
     record = {"source": meta.get("source", str(args.model)), "method": args.method, "config": to_dict(cfg),
               "result": result.meta(), "ppl_before": before, "ppl_after": after, "eval_tokens": len(val) - 1,
-              "params_before": n_params(model), "params_after": n_params(result.model),
-              "flops_per_token_before": forward_flops_per_token(model, args.seq_len),
-              "flops_per_token_after": forward_flops_per_token(result.model, args.seq_len)}
+              "eval_seq_len": args.eval_seq_len, "params_before": n_params(model), "params_after": n_params(result.model),
+              "flops_per_token_before": forward_flops_per_token(model, args.eval_seq_len),
+              "flops_per_token_after": forward_flops_per_token(result.model, args.eval_seq_len)}
     print(f"{args.method}: params {record['params_before']:,} -> {record['params_after']:,}, "
           f"ppl {before:.2f} -> {after:.2f} on {len(val) - 1} tokens")
     from tasks.compression.block_pruning import RemovedBlock
@@ -255,15 +255,16 @@ def distill_command(args: Any, root: Path) -> int:
 
         embeddings = question_embeddings(tok.decode_batch(windows.tolist()))
     chosen = select_windows(args.data_select, teacher, student, windows, k, rc, embeddings)
-    before = _ppl(student, val, args.seq_len, 4)
+    before = _ppl(student, val, args.eval_seq_len, 4)
     if not args.train_embeddings:
         student.get_input_embeddings().weight.requires_grad_(False)
         student.get_output_embeddings().weight.requires_grad_(False)
     curve = recover(student, teacher, windows[chosen], rc.distill(args.loss))
-    after = _ppl(student.eval(), val, args.seq_len, 4)
+    after = _ppl(student.eval(), val, args.eval_seq_len, 4)
     record = {"teacher": str(args.teacher), "student": smeta.get("source", str(args.student)), "recovery": to_dict(rc),
               "windows": len(chosen), "candidates": len(windows), "tokens": curve.tokens, "losses": curve.losses,
-              "ppl_before": before, "ppl_after": after, "eval_tokens": len(val) - 1}
+              "ppl_before": before, "ppl_after": after, "eval_tokens": len(val) - 1,
+              "eval_seq_len": args.eval_seq_len}
     print(f"{args.loss} on {len(chosen)} of {len(windows)} windows ({args.data_select}), {args.steps} steps: "
           f"ppl {before:.2f} -> {after:.2f}")
     save_model(student, stok, args.out, record)

@@ -41,7 +41,7 @@ def test_prune_then_distill_write_loadable_models(model_and_text, tmp_path: Path
     from tasks.common.models import load_causal_lm
 
     teacher, text = model_and_text
-    common = ["--text", str(text), "--eval-tokens", "512", "--seq-len", "32", "--root", str(ROOT), "--preset", "ci"]
+    common = ["--text", str(text), "--eval-tokens", "512", "--eval-seq-len", "32", "--root", str(ROOT), "--preset", "ci"]
     assert main(["prune", "--model", str(teacher), "--method", "cosine_drop", "--set", "n_remove=2",
                  "--set", "seq_len=32", "--out", str(tmp_path / "pruned"), "--calib-tokens", "512", *common]) == 0
     record = json.loads((tmp_path / "pruned" / "scalelab.json").read_text())
@@ -51,8 +51,11 @@ def test_prune_then_distill_write_loadable_models(model_and_text, tmp_path: Path
     assert pruned.config.num_hidden_layers == 2
     assert main(["distill", "--teacher", str(teacher), "--student", str(tmp_path / "pruned"), "--loss", "kl",
                  "--data-select", "random", "--budget", "0.5", "--steps", "2", "--batch-size", "2", "--tokens", "1024",
-                 "--out", str(tmp_path / "recovered"), *common]) == 0
+                 "--seq-len", "32", "--out", str(tmp_path / "recovered"), *common]) == 0
+    pruned_after = record["ppl_after"]
     record = json.loads((tmp_path / "recovered" / "scalelab.json").read_text())
+    # the saved student, scored again before recovery, is the model prune scored (same text, context, dtype)
+    assert record["ppl_before"] == pytest.approx(pruned_after, rel=1e-4)
     assert record["windows"] == 16 and record["candidates"] == 32 and record["tokens"] == 2 * 2 * 32
     recovered, _, _ = load_causal_lm(tmp_path / "recovered")
     diff = [(a - b).abs().max().item() for a, b in zip(recovered.parameters(), pruned.parameters())]
