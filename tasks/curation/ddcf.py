@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.common.config import require
-from tasks.evaluation.downstream import ScoringConfig
+from tasks.evaluation.downstream import ScoringConfig, check_task_names
 
 Method = Literal["ddcf", "random", "difficulty", "diversity", "full"]
 METHODS: tuple[str, ...] = ("ddcf", "random", "difficulty", "diversity", "full")
@@ -248,8 +248,6 @@ class OlmoEvalSetting:
     scoring: ScoringConfig = field(default_factory=lambda: ScoringConfig(progress=0))
 
     def __post_init__(self) -> None:
-        from tasks.evaluation.downstream import check_task_names
-
         require(len(self.tasks) > 0 and len(set(self.tasks)) == len(self.tasks), "tasks",
                 f"need distinct task names, got {list(self.tasks)}")
         try:
@@ -265,6 +263,8 @@ class OlmoEvalSetting:
                 f"need at least 2 distinct pool models, got {list(self.pool)}")
         for tag in self.pool:
             parse_pool_variant(tag, field="pool")
+        require(self.target not in self.pool, "pool", f"the target {self.target!r} is seen only on the seed set; "
+                "leave it out of the pool")
         require(self.calib_windows >= 1, "calib_windows", f"must be >= 1, got {self.calib_windows}")
         require(self.model_ctx_len >= 16, "model_ctx_len", f"must be >= 16, got {self.model_ctx_len}")
         require(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
