@@ -72,6 +72,7 @@ def _load_smollm2() -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
     folder = smollm2_dir()
     hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF)
     model = hf_class("AutoModelForCausalLM").from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF).eval()
+    _forget_gguf(model)
     eos = hf_tok.eos_token_id
     tok = TokenizerAdapter(hf_tok, eos_token_id=eos, pad_token_id=hf_tok.pad_token_id if hf_tok.pad_token_id is not None
                            else eos, name=f"{folder / SMOLLM2_GGUF}")
@@ -79,6 +80,22 @@ def _load_smollm2() -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
     meta = {"name": SMOLLM2, "family": "smollm2", "method": "none", "bits": None, "n_params": int(n),
             "source": str(folder / SMOLLM2_GGUF), "model_ctx_len": SMOLLM2_CTX_LEN}
     return model, tok, meta
+
+
+def _forget_gguf(model: nn.Module) -> None:
+    """Drop the marks of GGUF loading from a model whose tensors transformers dequantized to float32.
+
+    Nothing in the loaded model stays quantized, but transformers keeps its GGUF quantizer on the
+    model and a ``quantization_config`` in its config, so ``save_pretrained`` refuses it ("quantized
+    with gguf and is not serializable") and a saved config would ask for a GGUF file on reload.
+    ``scalelab prune`` saves pruned SmolLM2 models, so the marks go."""
+    model.hf_quantizer = None
+    for attr in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit"):
+        if attr in vars(model):
+            setattr(model, attr, False)
+    vars(model).pop("quantization_method", None)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def _load_ladder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
