@@ -476,7 +476,8 @@ class DocumentRewriter:
 
     Keeps every result in ``results`` (:data:`REWRITE_SCHEMA`); pass a previous
     run's ``results`` as ``previous`` to resume: those (id, style, generator key) rows that
-    succeeded are not generated again. ``cache_key(style)`` names the generator and its settings
+    succeeded, or failed in a way that would recur (:meth:`_settled`), are not generated again.
+    ``cache_key(style)`` names the generator and its settings
     (:func:`generator_key` under :meth:`from_config`; built directly, the prompt template and
     input cut only). Rows under other keys stay in ``results`` but are never returned. Returns
     the rows for the ids of ``docs`` in that style under the current key.
@@ -494,6 +495,20 @@ class DocumentRewriter:
         self.cache_key = cache_key or self._prompt_key
         self.accept_truncated = accept_truncated
 
+    def _settled(self) -> pl.Expr:
+        """Rows not to generate again under their key: the rewrites, and the failures that would recur.
+
+        The key fixes the model, prompt and decoding (greedy, or sampling under a fixed seed), so an
+        empty, too short or truncated reply comes back the same on a rerun; retrying it would spend
+        a budgeted run's generations on the same refused documents every time. Retried: generator
+        errors (network, server, out of memory), and truncations once truncated replies are
+        accepted. A changed ``min_words`` does not retry earlier ``too_short`` rows."""
+        error = pl.col("error").fill_null("")
+        retry = error.str.starts_with("generator_error")
+        if self.accept_truncated:
+            retry = retry | error.str.starts_with("truncated")
+        return pl.col("rewritten") | ~retry
+
     def _prompt_key(self, style: str) -> str:
         ident = {"prompt": list(PROMPTS[style]), "max_input_words": self.max_input_words}
         return "prompt-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
@@ -509,8 +524,7 @@ class DocumentRewriter:
     def __call__(self, docs: pl.DataFrame, style: str, budget: int | None) -> pl.DataFrame:
         key = self.cache_key(style)
         mine = (pl.col("style") == style) & (pl.col("generator") == key)
-        # Only successful rewrites count as done: failures are retried on a later run.
-        done = self.results.filter(mine & pl.col("rewritten"))["id"]
+        done = self.results.filter(mine & self._settled())["id"]
         if self.remaining is not None:
             budget = self.remaining if budget is None else min(budget, self.remaining)
         new = rewrite_documents(docs, style, self.generator, done_ids=set(done.to_list()), budget=budget,

@@ -80,7 +80,7 @@ def test_budget_and_resume():
     resumed = DocumentRewriter(gen, previous=rw.results, batch_size=2, min_words=2)
     res = resumed(DOCS, "hq", None)
     new_docs = [d for b in gen.batches[len(gen.batches) - (sum(len(b) for b in gen.batches) - seen):] for d in b]
-    # d0 and d2 ... only successful rewrites are skipped: d1 (failed) and d2 (empty) are retried.
+    # d0 (rewritten) and d2 (empty: it would recur) are skipped; d1 (generator error) is retried.
     assert "the cat sat on the mat" not in new_docs
     assert res.height == 6 and res["id"].n_unique() == 6
     assert res.filter(pl.col("rewritten"))["id"].to_list() == ["d0", "d3", "d4", "d5"]
@@ -95,9 +95,11 @@ def test_per_run_cap_spans_every_step_and_resumes():
     resumed = DocumentRewriter(gen, previous=rw.results, batch_size=8, min_words=2, max_docs_per_run=4)
     done_before = set(first.filter(pl.col("rewritten"))["id"])
     again = resumed(DOCS, "hq", None)  # the next run goes on where the cache stops
-    # 4 generations: the two failures of the first run retried, then d4 and d5; d0 and d3 kept.
+    # 3 generations: d1's generator error retried, then d4 and d5; d2's empty reply would recur under
+    # the same generator key, so it is not generated again; d0 and d3 kept.
     assert set(again["id"]) - set(first["id"]) == {"d4", "d5"} and done_before == {"d0", "d3"}
-    assert resumed.remaining == 0 and again.filter(pl.col("id").is_in(list(done_before)))["rewritten"].all()
+    assert resumed.remaining == 1 and again.filter(pl.col("id").is_in(list(done_before)))["rewritten"].all()
+    assert again.filter(pl.col("id") == "d2")["error"].to_list() == ["empty_generation"]
 
 
 def test_model_loads_only_when_something_is_left_to_rewrite():
@@ -295,7 +297,8 @@ def test_new_generator_settings_do_not_reuse_old_rewrites():
     again = DocumentRewriter.from_config(old_cfg, generator=fake, previous=first.results)
     again.min_words = 2
     again(DOCS, "hq", None)
-    assert len({d for b in fake.batches for d in b}) == DOCS.height - n_ok  # only the failures are retried
+    # only the generator error (d1) is retried; the empty reply (d2) would come back the same
+    assert {d for b in fake.batches for d in b} == {"FAIL this one"} and n_ok == 4
     fake = FakeGenerator()
     other = DocumentRewriter.from_config(GeneratorConfig(model_dir="/models/b"), generator=fake, previous=first.results)
     other.min_words = 2
@@ -323,3 +326,29 @@ def test_smollm2_rewrites_a_document():
     print(f"SmolLM2 load {t1 - t0:.1f}s, 1 doc x <=256 new tokens {t2 - t1:.1f}s: {out['text'][0]!r}")
     assert out["rewritten"][0], out["error"][0]
     assert out["text"][0] != doc["text"][0]
+
+
+class TruncatingGenerator:
+    """Replies that stop at max_new_tokens (finish_reason=length), deterministically, as greedy decoding does."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def generate(self, conversations):
+        from tasks.curation.rewrite import Generation
+
+        self.calls += len(conversations)
+        return [Generation("a long reply that was cut off before it", finish_reason="length") for _ in conversations]
+
+
+def test_deterministic_failures_do_not_eat_later_budgets():
+    gen = TruncatingGenerator()
+    rw = DocumentRewriter(gen, batch_size=8, min_words=2, max_docs_per_run=2)
+    assert rw(DOCS, "hq", None)["error"].to_list() == ["truncated(finish_reason=length)"] * 2
+    # next run, same key: d0 and d1 would be cut again, so the budget goes to d2 and d3
+    nxt = DocumentRewriter(gen, previous=rw.results, batch_size=8, min_words=2, max_docs_per_run=2)
+    assert set(nxt(DOCS, "hq", None)["id"]) == {"d0", "d1", "d2", "d3"} and gen.calls == 4
+    # accepting truncated replies now: the refused ones are generated again and kept
+    accepting = DocumentRewriter(gen, previous=nxt.results, batch_size=8, min_words=2, accept_truncated=True)
+    out = accepting(DOCS, "hq", None)
+    assert out["rewritten"].all() and out.height == 6 and gen.calls == 10
