@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -138,7 +138,14 @@ def exact_duplicates(texts: pl.Series, ids: pl.Series, *, index: "DedupIndex | N
     non-null (any type; compared as strings). Independent of input order.
     """
     ids = _check_ids(texts, ids)
-    frame = pl.DataFrame({"id": ids, "digest": exact_digests(texts), "new": True})
+    return exact_duplicates_of_digests(ids, exact_digests(texts), index=index)
+
+
+def exact_duplicates_of_digests(ids: pl.Series, digests: pl.Series, *,
+                                index: "DedupIndex | None" = None) -> pl.Series:
+    """:func:`exact_duplicates` from already computed :func:`exact_digests` (unique Utf8 ids), so a
+    sharded run can hash its shards apart and decide on (id, digest) alone."""
+    frame = pl.DataFrame({"id": ids.cast(pl.Utf8), "digest": digests, "new": True})
     if index is not None and index.exact is not None and len(index.exact):
         frame = pl.concat([index.exact.select("id", "digest", new=pl.lit(False)), frame])
     # indexed documents first (new=False sorts first), then the lowest id
@@ -307,6 +314,36 @@ def _candidate_pairs(sig: np.ndarray, cfg: MinHashConfig, empty: np.ndarray) -> 
     return np.unique(out, axis=0) if len(out) else out.reshape(0, 2) if n else out
 
 
+def band_candidate_pairs(band_keys: Iterable[np.ndarray], empty: np.ndarray) -> np.ndarray:
+    """The pairs of :func:`_candidate_pairs` from band keys given one band at a time.
+
+    ``band_keys``: for each band, the (n_docs,) uint64 keys of every document (a column of
+    :func:`_band_keys`), so a caller can read them from disk band by band and hold one band's
+    keys at once; ``empty`` (n_docs,) bool marks documents without shingles (never candidates).
+    Returns (n_pairs, 2) int64, i < j, sorted and unique: every pair sharing a (band, key) bucket.
+    """
+    docs = np.flatnonzero(~np.asarray(empty, bool))
+    pairs = [np.zeros((0, 2), np.int64)]
+    for keys in band_keys:
+        k = np.asarray(keys)[docs]
+        order = np.argsort(k, kind="stable")
+        ks, ds = k[order], docs[order]
+        if len(ks) < 2:
+            continue
+        starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+        sizes = np.diff(np.r_[starts, len(ks)])
+        two = starts[sizes == 2]  # the common bucket: one pair, vectorised
+        if len(two):
+            a, b = ds[two], ds[two + 1]
+            pairs.append(np.stack([np.minimum(a, b), np.maximum(a, b)], axis=1))
+        for s, size in zip(starts[sizes > 2].tolist(), sizes[sizes > 2].tolist()):
+            m = np.sort(ds[s : s + size])
+            i, j = np.triu_indices(size, k=1)
+            pairs.append(np.stack([m[i], m[j]], axis=1))
+    out = np.concatenate(pairs).astype(np.int64, copy=False)
+    return np.unique(out, axis=0) if len(out) else out
+
+
 def minhash_clusters(sig: np.ndarray, cfg: MinHashConfig, rank: np.ndarray | None = None) -> np.ndarray:
     """Representative index per document from signatures (n_docs,) int64.
 
@@ -329,6 +366,16 @@ def minhash_clusters(sig: np.ndarray, cfg: MinHashConfig, rank: np.ndarray | Non
             p = pairs[lo : lo + 65_536]
             est[lo : lo + 65_536] = (sig[p[:, 0]] == sig[p[:, 1]]).mean(axis=1)
         pairs = pairs[est >= cfg.threshold]
+    return clusters_from_pairs(pairs, n, rank)
+
+
+def clusters_from_pairs(pairs: np.ndarray, n: int, rank: np.ndarray) -> np.ndarray:
+    """Representative index per document (n,) int64: connected components of the linked
+    ``pairs`` (n_pairs, 2), each represented by its member of lowest ``rank`` (a permutation of
+    0..n-1)."""
+    rank = np.asarray(rank, dtype=np.int64)
+    if n == 0:
+        return np.zeros(0, np.int64)
     graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
     _, label = connected_components(graph, directed=False)
     best = np.full(label.max() + 1, np.iinfo(np.int64).max, dtype=np.int64)

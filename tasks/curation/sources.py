@@ -362,6 +362,9 @@ class ParquetSource(Source):
     column, or with a non-string one, raises ``ValueError`` naming the file.
     """
 
+    #: rows decoded at a time
+    batch_rows = 8_192
+
     def __init__(self, paths: Sequence[str | Path], *, name: str = "parquet", text_key: str = "text",
                  id_key: str | None = "id"):
         self.paths = tuple(paths)
@@ -370,26 +373,33 @@ class ParquetSource(Source):
         self.id_key = id_key
 
     def read(self) -> Iterator[RawRecord]:
+        import pyarrow.parquet as pq
+
         for path, label in expand_paths(self.paths):
-            frame = pl.read_parquet(path)
-            if self.text_key not in frame.columns:
-                raise ValueError(f"{path}: no {self.text_key!r} column; columns are {frame.columns}")
-            if frame.schema[self.text_key] not in (pl.Utf8, pl.String):
-                raise ValueError(f"{path}: column {self.text_key!r} is {frame.schema[self.text_key]}, not a string")
-            cols = {"text": frame[self.text_key]}
+            schema = pl.read_parquet_schema(path)
+            if self.text_key not in schema:
+                raise ValueError(f"{path}: no {self.text_key!r} column; columns are {list(schema)}")
+            if schema[self.text_key] not in (pl.Utf8, pl.String):
+                raise ValueError(f"{path}: column {self.text_key!r} is {schema[self.text_key]}, not a string")
+            wanted = {"text": self.text_key}
             for key, col in (("id", self.id_key), ("url", "url"), ("title", "title")):
-                if col and col in frame.columns:
-                    cols[key] = frame[col].cast(pl.Utf8, strict=False)
-            n = frame.height
-            get = {k: v.to_list() for k, v in cols.items()}
-            for i in range(n):
-                row = i + 1
-                user_id = get["id"][i] if "id" in get else None
-                doc_id = user_id or f"{self.name}:{label}:{row}"
-                text = get["text"][i]
-                yield _check_text(self.name, label, row, text, text, id=doc_id,
-                                  url=get["url"][i] if "url" in get else None,
-                                  title=get["title"][i] if "title" in get else None)
+                if col and col in schema:
+                    wanted[key] = col
+            row = 0
+            # row groups stream in batches, so a large file is never held whole
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=self.batch_rows,
+                                                           columns=list(dict.fromkeys(wanted.values()))):
+                frame = pl.from_arrow(batch)
+                get = {k: (frame[c] if k == "text" else frame[c].cast(pl.Utf8, strict=False)).to_list()
+                       for k, c in wanted.items()}
+                for i in range(frame.height):
+                    row += 1
+                    user_id = get["id"][i] if "id" in get else None
+                    doc_id = user_id or f"{self.name}:{label}:{row}"
+                    text = get["text"][i]
+                    yield _check_text(self.name, label, row, text, text, id=doc_id,
+                                      url=get["url"][i] if "url" in get else None,
+                                      title=get["title"][i] if "title" in get else None)
 
 
 def user_source(paths: Sequence[str | Path], *, name: str | None = None) -> Source:
@@ -426,18 +436,27 @@ def records_to_frames(records: Sequence[RawRecord]) -> tuple[pl.DataFrame, pl.Da
     return doc_frame, q_frame
 
 
-def read_source(source: Source, *, batch: int = 20_000) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Read a whole source: ``(docs, quarantine)`` in the source's own order.
-
-    Records become frames ``batch`` at a time, so the Python objects of at most one batch exist at
-    once besides the (compact, Arrow) frames."""
-    docs, bad, buf = [empty_docs()], [empty_quarantine()], []
+def read_source_batches(source: Source, *, batch: int = 20_000) -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
+    """A source as a stream of ``(docs, quarantine)`` frames, in the source's own order, each
+    made from ``batch`` records: the Python objects of one batch exist at once, so a corpus of any
+    size streams through bounded memory."""
+    buf: list[RawRecord] = []
     for record in source.read():
         buf.append(record)
         if len(buf) >= batch:
-            d, q = records_to_frames(buf)
-            docs.append(d)
-            bad.append(q)
+            yield records_to_frames(buf)
             buf = []
-    d, q = records_to_frames(buf)
-    return pl.concat([*docs, d], rechunk=True), pl.concat([*bad, q], rechunk=True)
+    if buf:
+        yield records_to_frames(buf)
+
+
+def read_source(source: Source, *, batch: int = 20_000) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Read a whole source: ``(docs, quarantine)`` in the source's own order.
+
+    Records become frames ``batch`` at a time (:func:`read_source_batches`), so the Python
+    objects of at most one batch exist at once besides the (compact, Arrow) frames."""
+    docs, bad = [empty_docs()], [empty_quarantine()]
+    for d, q in read_source_batches(source, batch=batch):
+        docs.append(d)
+        bad.append(q)
+    return pl.concat(docs, rechunk=True), pl.concat(bad, rechunk=True)

@@ -196,3 +196,21 @@ def test_index_round_trip_and_dedup_against_an_existing_corpus(tmp_path):
         minhash_duplicates(pl.Series(new), new_ids, MinHashConfig(ngram=4, threshold=0.8, bands=28, rows=4), index=index)
     with pytest.raises(ValueError, match="index.json"):
         load_index(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("bands,rows", [(14, 8), (28, 4), (5, 1)], ids=["14x8", "28x4", "5x1"])
+def test_band_candidate_pairs_equal_the_in_memory_buckets(bands, rows):
+    """Band keys given one band at a time (as the streaming engine reads them from disk) give the
+    same candidate pairs as the whole-signature grouping, buckets of 2 and of more alike."""
+    from tasks.curation.dedup import _band_keys, _candidate_pairs, band_candidate_pairs
+
+    rng = random.Random(3)
+    base = [doc(rng, 60) for _ in range(40)]
+    texts = base + [mutate(t, rng, 1) for t in base[:15]] + [mutate(base[0], rng, 2) for _ in range(4)] + [""]
+    cfg = MinHashConfig(bands=bands, rows=rows)
+    sig = minhash_signatures(pl.Series(texts), cfg)
+    empty = np.all(sig == np.iinfo(sig.dtype).max, axis=1)
+    keys = _band_keys(sig, cfg)
+    got = band_candidate_pairs((keys[:, b] for b in range(bands)), empty)
+    want = _candidate_pairs(sig, cfg, empty)
+    assert len(want) >= 15 and np.array_equal(got, want)
