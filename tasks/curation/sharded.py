@@ -1,22 +1,31 @@
-"""Sharded, resumable curation of a user corpus: the engine behind ``scalelab curate``.
+"""Sharded, resumable, streaming curation of a user corpus: the engine behind ``scalelab curate``.
 
     scalelab curate --input data/*.jsonl --out out/curated --recipe dedup_gopher
 
-:func:`curate_corpus` reads JSONL (plain, ``.gz``, ``.zst``) and Parquet inputs, files or globs
-(bad lines quarantined with file and line), then runs the recipe in *segments*: a run of
-per-document steps (heuristic filters) is applied shard by shard in parallel; a step that needs
-the whole corpus (``exact_dedup``, ``minhash``, ``rewrite``, ``mix``) runs once over the union of
-the shards — MinHash signatures still shard by shard through the executor — so dedup is global,
-and its result (which copy is kept: the lowest id) is the same as a single-process run.
+:func:`curate_corpus` streams JSONL (plain, ``.gz``, ``.zst``) and Parquet inputs, files or globs
+(bad lines quarantined with file and line), into input shards of ``shard_docs`` documents under
+``out/.shards/input/``, then runs the recipe in *segments*: a run of per-document steps (heuristic
+filters) is applied shard by shard in parallel, each worker reading its shard file and writing its
+kept and dropped parts; a step that needs the whole corpus (``exact_dedup``, ``minhash``,
+``rewrite``, ``mix``) runs once over the union of the shards, so dedup is global and its result
+(which copy is kept: the lowest id) is the same as a single-process run.
 
-Memory: the documents are held in memory as one Arrow frame (about the corpus's text size plus
-per-segment copies), not streamed; ``benchmarks/curation_scale.py`` measures the peak.
+Memory is bounded by the shard size, not the corpus: the main process holds at most about two
+shards of documents (while reading inputs and re-cutting shards) plus small per-document data —
+every id (duplicate ids are found on ids alone), and for dedup the (id, digest) pairs or, for
+MinHash, one LSH band's keys at a time and the signatures of the documents in a candidate pair
+(signatures and band keys are computed and saved per shard by the workers). The dedup decision is
+then applied shard by shard. ``rewrite`` and ``mix`` are the exception: they need the kept
+documents as one frame (a budget and a token ratio over all of them), so they run in memory in the
+main process. The final ``kept``/``dropped``/``quarantine.parquet`` are streamed together from the
+part files and ``stats.json`` sums per-part counters. ``benchmarks/curation_scale.py`` measures
+the peak RSS.
 
 Every shard and every global step writes its outputs under ``out_dir/.shards/``
 and then a ``DONE`` marker; a rerun after a crash reuses finished parts and
 recomputes the rest, giving identical final files. ``.shards/manifest.json`` holds
-a fingerprint of inputs, recipe and shard size: when it differs, old parts are
-discarded rather than mixed with new ones.
+a fingerprint of inputs (digested while streaming them), recipe and shard size: when it differs,
+old parts are discarded rather than mixed with new ones.
 """
 
 from __future__ import annotations
@@ -30,23 +39,46 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import polars as pl
 
 from tasks.common.config import require, to_dict
 from tasks.common.faults import fault_point
-from tasks.common.io import read_json, write_json, write_parquet, write_text
-from tasks.curation.dedup import DedupIndex
-from tasks.curation.prepare import drop_duplicate_ids, shard_frame
+from tasks.common.io import atomic_path, read_json, write_json, write_parquet, write_text
+from tasks.curation.dedup import (
+    DedupIndex,
+    MinHashConfig,
+    _band_keys,
+    _duplicate_of,
+    band_candidate_pairs,
+    clusters_from_pairs,
+    exact_digests,
+    exact_duplicates_of_digests,
+    id_rank,
+    minhash_signatures,
+)
+from tasks.curation.prepare import _quarantine_rows
 from tasks.curation.recipes import (
     DROPPED_SCHEMA,
+    KEPT_SCHEMA,
     Recipe,
     TokenCount,
+    _as_working,
+    _dropped,
     apply_step,
-    curation_stats,
     finalize,
     whitespace_words,
 )
-from tasks.curation.sources import JSONL_SUFFIXES, JsonlSource, ParquetSource, expand_paths, read_source
+from tasks.curation.sources import (
+    JSONL_SUFFIXES,
+    QUARANTINE_SCHEMA,
+    JsonlSource,
+    ParquetSource,
+    empty_docs,
+    expand_paths,
+    read_source,
+    read_source_batches,
+)
 
 MARKER = "DONE"
 
@@ -100,7 +132,8 @@ def check_inputs(input_paths: Sequence[str | Path]) -> tuple[list, list]:
 
 def read_inputs(input_paths: Sequence[str | Path]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Documents and quarantine from JSONL (``.jsonl``/``.json``/``.ndjson``) and Parquet files or globs
-    (checked first by :func:`check_inputs`)."""
+    (checked first by :func:`check_inputs`), whole in memory: for small corpora and as a reference
+    in tests; :func:`curate_corpus` streams them with :func:`ingest_shards` instead."""
     jsonl, parquet = check_inputs(input_paths)
     docs, quarantine = [], []
     for paths, cls in ((jsonl, JsonlSource), (parquet, ParquetSource)):
@@ -122,18 +155,82 @@ def _fingerprint(input_paths: Sequence[str | Path], recipe: Recipe, shard_docs: 
     return h.hexdigest()
 
 
-def _content_digest(docs: pl.DataFrame, batch: int = 10_000) -> str:
-    """A digest of the documents as read (ids and texts), so edited inputs invalidate old shards.
-    Hashed ``batch`` rows at a time: a whole-corpus ``to_list`` would double the texts in memory."""
-    h = hashlib.sha256()
-    for lo in range(0, docs.height, batch):
-        part = docs.slice(lo, batch)
-        for doc_id, text in zip(part["id"].to_list(), part["text"].to_list()):
-            h.update(doc_id.encode())
-            h.update(b"\0")
-            h.update(text.encode())
-            h.update(b"\1")
-    return h.hexdigest()
+def _gather(executor: Executor, fn: Callable[..., Any], calls: Sequence[tuple]) -> list:
+    """``fn(*args)`` for every ``args`` through ``executor``; results in order (the first error raised)."""
+    futures = [executor.submit(fn, *args) for args in calls]
+    return [f.result() for f in futures]
+
+
+def _text_stats(shard: str, token_count: TokenCount) -> dict:
+    """Worker: documents, whitespace words and tokens of one shard's texts."""
+    texts = pl.read_parquet(shard, columns=["text"])["text"]
+    return {"docs": len(texts), "words": int(whitespace_words(texts).sum() or 0),
+            "tokens": int(token_count(texts).sum() or 0)}
+
+
+def ingest_shards(input_paths: Sequence[str | Path], folder: Path, shard_docs: int,
+                  on_shard: Callable[[Path], None] | None = None) -> dict:
+    """Stream the inputs into document shards ``folder/docs-<i>.parquet`` of ``shard_docs`` rows.
+
+    Inputs are read in batches (:func:`~tasks.curation.sources.read_source_batches`), JSONL files
+    before Parquet ones as in :func:`read_inputs`; a repeated id after its first occurrence
+    becomes a ``duplicate_id`` quarantine row (only the ids seen are remembered). At most about
+    two shards of documents are in memory at once. ``on_shard`` is called with each shard as it
+    is written (to start work on it). Returns ``shards`` (paths, at least one, possibly empty),
+    ``quarantine`` (paths: quarantine as read, then duplicate ids), ``records_read``, ``docs``,
+    ``ids`` (every kept id, in order) and ``digest`` (sha256 of ids and texts, the content part of
+    the resume fingerprint).
+    """
+    jsonl, parquet = check_inputs(input_paths)
+    folder.mkdir(parents=True, exist_ok=True)
+    seen: dict[str, None] = {}  # insertion-ordered: ids in input order
+    digest = hashlib.sha256()
+    shards: list[Path] = []
+    read_q: list[Path] = []
+    dup_q: list[Path] = []
+    buf: list[pl.DataFrame] = []
+    buffered = records = 0
+
+    def write_shard(frame: pl.DataFrame) -> None:
+        path = write_parquet(folder / f"docs-{len(shards):05d}.parquet", frame)
+        shards.append(path)
+        if on_shard is not None:
+            on_shard(path)
+
+    for paths, cls in ((jsonl, JsonlSource), (parquet, ParquetSource)):
+        if not paths:
+            continue
+        source = cls(paths, name=cls.__name__.removesuffix("Source").lower())
+        for docs, quarantine in read_source_batches(source, batch=min(shard_docs, 20_000)):
+            records += docs.height + quarantine.height
+            if quarantine.height:
+                read_q.append(write_parquet(folder / f"quarantine-read-{len(read_q):05d}.parquet", quarantine))
+            first = []
+            for doc_id in docs["id"].to_list():
+                first.append(doc_id not in seen)
+                seen.setdefault(doc_id)
+            if not all(first):
+                mask = pl.Series(first, dtype=pl.Boolean)
+                dup_q.append(write_parquet(folder / f"quarantine-dupid-{len(dup_q):05d}.parquet",
+                                           _quarantine_rows(docs.filter(~mask), "duplicate_id")))
+                docs = docs.filter(mask)
+            for doc_id, text in zip(docs["id"].to_list(), docs["text"].to_list()):
+                digest.update(doc_id.encode())
+                digest.update(b"\0")
+                digest.update(text.encode())
+                digest.update(b"\1")
+            buf.append(docs)
+            buffered += docs.height
+            while buffered >= shard_docs:
+                whole = pl.concat(buf)
+                write_shard(whole.head(shard_docs))
+                buf, buffered = [whole.slice(shard_docs)], whole.height - shard_docs
+    if records == 0:
+        raise ValueError(f"{', '.join(map(str, input_paths))}: no documents (every input is empty)")
+    if buffered or not shards:
+        write_shard(pl.concat(buf) if buf else empty_docs())
+    return {"shards": shards, "quarantine": read_q + dup_q, "records_read": records, "docs": len(seen),
+            "ids": list(seen), "digest": digest.hexdigest()}
 
 
 def _segments(recipe: Recipe) -> list[tuple[bool, tuple]]:
@@ -157,14 +254,9 @@ def _write_part(folder: Path, kept: pl.DataFrame, dropped: pl.DataFrame, info: l
     write_text(folder / MARKER, "ok\n")  # written last: its presence means the part is complete
 
 
-def _read_part(folder: Path) -> tuple[pl.DataFrame, pl.DataFrame, list[dict]]:
-    return (pl.read_parquet(folder / "kept.parquet"), pl.read_parquet(folder / "dropped.parquet"),
-            read_json(folder / "steps.json"))
-
-
-def _run_local_shard(shard: pl.DataFrame, steps: tuple, folder: str, token_count: TokenCount) -> int:
-    """Worker: apply per-document steps to one shard and write its part. Returns the rows kept."""
-    kept, dropped, infos = shard, [], []
+def _run_local_shard(shard: str, steps: tuple, folder: str, token_count: TokenCount) -> int:
+    """Worker: read one shard file, apply per-document steps and write its part. Returns the rows kept."""
+    kept, dropped, infos = pl.read_parquet(shard), [], []
     for s in steps:
         kept, d, info = apply_step(kept, s, token_count=token_count)
         dropped.append(d)
@@ -185,6 +277,210 @@ def _merge_infos(per_shard: list[list[dict]]) -> list[dict]:
                     if isinstance(v, int) and not isinstance(v, bool):
                         merged[j][k] = merged[j].get(k, 0) + v
     return merged
+
+
+# ---------------------------------------------------------------- global steps on per-document keys
+
+
+def _exact_keys(shard: str) -> pl.DataFrame:
+    """Worker: (id, digest) of one shard, what exact dedup decides on."""
+    docs = pl.read_parquet(shard, columns=["id", "text"])
+    return pl.DataFrame({"id": docs["id"].cast(pl.Utf8), "digest": exact_digests(docs["text"])})
+
+
+def _minhash_shard(shard: str, cfg: MinHashConfig, sig_path: str, bands_path: str) -> tuple[pl.Series, np.ndarray]:
+    """Worker: MinHash signatures and LSH band keys of one shard, saved as ``.npy``; returns the
+    shard's ids and which documents have no shingles."""
+    docs = pl.read_parquet(shard, columns=["id", "text"])
+    sig = minhash_signatures(docs["text"], cfg)
+    np.save(sig_path, sig)
+    np.save(bands_path, _band_keys(sig, cfg))
+    return docs["id"].cast(pl.Utf8), np.all(sig == np.iinfo(sig.dtype).max, axis=1)
+
+
+def _load_rows(path: Path, n: int, cols: int, dtype: Any) -> np.ndarray:
+    """A saved (n, cols) array memory-mapped (an empty one without a map: nothing to map)."""
+    return np.load(path, mmap_mode="r") if n else np.zeros((0, cols), dtype)
+
+
+def _minhash_duplicates_on_disk(files: Sequence[Path], cfg: MinHashConfig, work: Path, executor: Executor,
+                                index: DedupIndex | None) -> tuple[pl.Series, pl.Series]:
+    """``(ids, duplicate_of)`` of the documents in ``files``, equal to
+    :func:`~tasks.curation.dedup.minhash_duplicates` over their concatenation.
+
+    Signatures and band keys are computed per shard by the workers and saved under ``work``;
+    this process holds per document only its id, rank and one band's key at a time (LSH
+    buckets are found band by band), then, when ``cfg.threshold`` asks for verification, the
+    signatures of the documents that are in some candidate pair, read back shard by shard.
+    """
+    calls = [(str(f), cfg, str(work / f"sig-{i:05d}.npy"), str(work / f"bands-{i:05d}.npy"))
+             for i, f in enumerate(files)]
+    per_shard = _gather(executor, _minhash_shard, calls)
+    ids = pl.concat([p[0] for p in per_shard]) if per_shard else pl.Series("id", [], pl.Utf8)
+    sizes = [len(p[0]) for p in per_shard]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    dtype = np.uint64 if cfg.hash_bits == 64 else np.uint32
+    m = 0
+    if index is not None and index.minhash_ids is not None and len(index.minhash_ids):
+        index.check_config(cfg)
+        m = len(index.minhash_ids)
+        isig = index.minhash_sig.astype(dtype)
+        ikeys = _band_keys(isig, cfg)
+    else:
+        isig = np.zeros((0, cfg.num_perm), dtype)
+        ikeys = np.zeros((0, cfg.bands), np.uint64)
+    empty = np.concatenate([np.all(isig == np.iinfo(dtype).max, axis=1), *[p[1] for p in per_shard]]).astype(bool)
+    del per_shard
+
+    def band_columns():
+        for b in range(cfg.bands):
+            cols = [ikeys[:, b]]
+            for i, n in enumerate(sizes):
+                if n:
+                    cols.append(np.array(_load_rows(work / f"bands-{i:05d}.npy", n, cfg.bands, np.uint64)[:, b]))
+            yield np.concatenate(cols)
+
+    pairs = band_candidate_pairs(band_columns(), empty)
+    if cfg.threshold is not None and len(pairs):
+        involved = np.unique(pairs)  # sorted global document numbers (index documents first)
+        rows = np.empty((len(involved), cfg.num_perm), dtype)
+        lo = int(np.searchsorted(involved, m))
+        rows[:lo] = isig[involved[:lo]]
+        for i, n in enumerate(sizes):
+            a, b = np.searchsorted(involved, [m + offsets[i], m + offsets[i + 1]])
+            if a < b:
+                rows[a:b] = _load_rows(work / f"sig-{i:05d}.npy", n, cfg.num_perm, dtype)[involved[a:b] - m - offsets[i]]
+        pos = np.searchsorted(involved, pairs)
+        est = np.empty(len(pairs))
+        for s in range(0, len(pairs), 65_536):  # as minhash_clusters: bounded (pairs × perms) comparisons
+            p = pos[s : s + 65_536]
+            est[s : s + 65_536] = (rows[p[:, 0]] == rows[p[:, 1]]).mean(axis=1)
+        pairs = pairs[est >= cfg.threshold]
+        del rows
+    if m:
+        all_ids = pl.concat([index.minhash_ids.cast(pl.Utf8), ids])
+        rank = np.concatenate([id_rank(index.minhash_ids), m + id_rank(ids)])
+    else:
+        all_ids, rank = ids, id_rank(ids)
+    rep = clusters_from_pairs(pairs, m + len(ids), rank)
+    return ids, _duplicate_of(all_ids, rep)[m:]
+
+
+def _apply_duplicates(shard: str, decision: str, reason: str, kept_path: str, dropped_path: str) -> int:
+    """Worker: split one shard by a decision file (``id``, ``duplicate_of`` of the dropped ones)."""
+    docs = _as_working(pl.read_parquet(shard))
+    dups = pl.scan_parquet(decision).filter(pl.col("id").is_in(docs["id"].implode())).collect()
+    dup = docs.select("id").join(dups, on="id", how="left", maintain_order="left")["duplicate_of"]
+    is_dup = dup.is_not_null()
+    write_parquet(kept_path, docs.filter(~is_dup))
+    write_parquet(dropped_path, _dropped(docs.filter(is_dup), reason, dup.filter(is_dup)))
+    return int(is_dup.sum())
+
+
+def _rechunk(sources: Sequence[Path], folder: Path, shard_docs: int) -> int:
+    """Copy the rows of ``sources`` (in order) into ``folder/kept-<j>.parquet`` of ``shard_docs``
+    rows each (at least one file, possibly empty), as the next segment's shards; holds at most
+    about two shards. Returns the number of files."""
+    n_out, buf, buffered = 0, [], 0
+    for src in sources:
+        frame = pl.read_parquet(src)
+        buf.append(frame)
+        buffered += frame.height
+        while buffered >= shard_docs:
+            whole = pl.concat(buf)
+            write_parquet(folder / f"kept-{n_out:05d}.parquet", whole.head(shard_docs))
+            n_out += 1
+            buf, buffered = [whole.slice(shard_docs)], whole.height - shard_docs
+    if buffered or n_out == 0:
+        write_parquet(folder / f"kept-{n_out:05d}.parquet", pl.concat(buf))
+        n_out += 1
+    return n_out
+
+
+def _run_global_step(s: Any, files: Sequence[Path], folder: Path, *, shard_docs: int, executor: Executor,
+                     rewriter: Any, token_count: TokenCount, index: DedupIndex | None) -> None:
+    """Run one global step over the shards ``files``; write ``folder/kept-<j>.parquet`` (rechunked),
+    ``dropped-<i>.parquet``, ``part.json`` and the marker.
+
+    Dedup steps decide on per-document keys (exact digests; MinHash band keys and signatures
+    saved per shard) and apply the decision shard by shard, so no process holds the corpus.
+    ``rewrite`` and ``mix`` need the kept documents as one frame (the rewriter's budget, the
+    mix's token ratio over all documents): they run in memory here.
+    """
+    if folder.exists():
+        shutil.rmtree(folder)  # an unfinished earlier try
+    work = folder / "work"
+    work.mkdir(parents=True)
+    kind, cfg = s.kind, s.settings
+    if kind in ("exact_dedup", "minhash"):
+        idx = index if index is not None and len(index) else None
+        info: dict[str, Any] = {"step": kind}
+        if kind == "exact_dedup":
+            keys = pl.concat(_gather(executor, _exact_keys, [(str(f),) for f in files]))
+            ids = keys["id"]
+            dup = exact_duplicates_of_digests(ids, keys["digest"], index=idx)
+            del keys
+            reason = "exact_dedup.duplicate"
+        else:
+            if idx is not None:
+                idx.minhash_config_for([cfg])  # refuses an index without signatures, or of other settings
+            ids, dup = _minhash_duplicates_on_disk(files, cfg, work, executor, idx)
+            reason = "minhash.near_duplicate"
+        if idx is not None:
+            info["duplicates_of_index"] = int(dup.is_in(idx.ids.implode()).sum())
+        decision = work / "duplicates.parquet"
+        write_parquet(decision, pl.DataFrame({"id": ids, "duplicate_of": dup}).filter(
+            pl.col("duplicate_of").is_not_null()))
+        kept_parts = [work / f"kept-{i:05d}.parquet" for i in range(len(files))]
+        _gather(executor, _apply_duplicates, [(str(f), str(decision), reason, str(k), str(folder / f"dropped-{i:05d}.parquet"))
+                                              for i, (f, k) in enumerate(zip(files, kept_parts))])
+        info.update(docs_in=len(ids), docs_out=len(ids) - int(dup.is_not_null().sum()))
+        n_dropped = len(files)
+    else:
+        docs = pl.concat([pl.read_parquet(f) for f in files])
+        kept, dropped, info = apply_step(docs, s, rewriter=rewriter, token_count=token_count, index=index)
+        del docs
+        kept_parts = [write_parquet(work / "kept-00000.parquet", kept)]
+        write_parquet(folder / "dropped-00000.parquet", dropped)
+        del kept, dropped
+        n_dropped = 1
+    n_kept = _rechunk(kept_parts, folder, shard_docs)
+    write_json(folder / "part.json", {"kept_files": n_kept, "dropped_files": n_dropped, "steps": [info]})
+    fault_point("sharded.part")
+    write_text(folder / MARKER, "ok\n")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- final outputs
+
+
+def _finalize_part(src: str, dst: str, token_count: TokenCount) -> dict:
+    """Worker: one shard of the last segment as :data:`KEPT_SCHEMA`, and its text counters."""
+    kept = finalize(pl.read_parquet(src))
+    write_parquet(dst, kept)
+    return {"docs": kept.height, "words": int(whitespace_words(kept["text"]).sum() or 0),
+            "tokens": int(token_count(kept["text"]).sum() or 0),
+            "rewritten": int(kept["rewrite"].is_not_null().sum())}
+
+
+def _concat_parquet(sources: Sequence[Path], dest: Path, schema: dict) -> None:
+    """``sources`` (same columns) streamed into one file, rows in order; an empty list gives an empty file."""
+    if not sources:
+        write_parquet(dest, pl.DataFrame(schema=schema))
+        return
+    with atomic_path(dest) as tmp:
+        pl.scan_parquet([str(p) for p in sources]).sink_parquet(tmp)
+
+
+def _count_by(sources: Sequence[Path], column: str) -> tuple[int, dict[str, int]]:
+    if not sources:
+        return 0, {}
+    counts = pl.scan_parquet([str(p) for p in sources]).group_by(column).len().collect()
+    return int(counts["len"].sum()), dict(sorted((r, int(c)) for r, c in counts.iter_rows()))
+
+
+def _sum(parts: Sequence[dict], key: str) -> int:
+    return sum(p[key] for p in parts)
 
 
 def curate_corpus(
@@ -217,27 +513,10 @@ def curate_corpus(
     require(shard_docs > 0, "shard_docs", "must be positive")
     if recipe.needs_rewriter and rewriter is None:
         raise ValueError("this recipe has a rewrite step: pass rewriter= (e.g. rewrite.DocumentRewriter)")
+    check_inputs(input_paths)
     out = Path(out_dir)
     parts = out / ".shards"
-
-    docs, quarantine = read_inputs(input_paths)
-    records_read = docs.height + quarantine.height
-    docs, dup_q = drop_duplicate_ids(docs)
-    quarantine = pl.concat([quarantine, dup_q])
-
-    fingerprint = _fingerprint(input_paths, recipe, shard_docs) + ":" + _content_digest(docs)
-    index_stats = None
-    if index is not None and len(index):
-        index.minhash_config_for([s.settings for s in recipe.steps if s.kind == "minhash"])
-        index.refuse_indexed(docs["id"])
-        index_stats = {"docs": len(index), "fingerprint": index.fingerprint()}
-        fingerprint += ":index:" + index_stats["fingerprint"]
-    manifest = parts / "manifest.json"
-    if manifest.exists() and read_json(manifest).get("fingerprint") != fingerprint:
-        shutil.rmtree(parts)  # inputs or recipe changed: old parts would mix two runs
-    if not manifest.exists():
-        write_json(manifest, {"fingerprint": fingerprint, "recipe": to_dict(recipe), "shard_docs": shard_docs,
-                              "inputs": [str(p) for p in input_paths]})
+    staging = out / ".ingest"  # this run's input shards, until the manifest says where they belong
 
     own_pool = None
     if executor is None:
@@ -247,34 +526,63 @@ def curate_corpus(
             own_pool = ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn"))
             executor = own_pool
     computed = reused = 0
-    current = docs
-    dropped_parts: list[pl.DataFrame] = []
-    step_infos: list[dict] = []
     try:
+        if staging.exists():
+            shutil.rmtree(staging)
+        in_stats: list[Future] = []
+        try:
+            ingested = ingest_shards(input_paths, staging, shard_docs, on_shard=lambda p: in_stats.append(
+                executor.submit(_text_stats, str(p), token_count)))
+            fingerprint = _fingerprint(input_paths, recipe, shard_docs) + ":" + ingested["digest"]
+            index_stats = None
+            if index is not None and len(index):
+                index.minhash_config_for([s.settings for s in recipe.steps if s.kind == "minhash"])
+                index.refuse_indexed(pl.Series("id", ingested["ids"], pl.Utf8))
+                index_stats = {"docs": len(index), "fingerprint": index.fingerprint()}
+                fingerprint += ":index:" + index_stats["fingerprint"]
+            del ingested["ids"]
+            in_counts = [f.result() for f in in_stats]
+        except BaseException:
+            for f in in_stats:
+                f.cancel()
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        manifest = parts / "manifest.json"
+        if manifest.exists() and read_json(manifest).get("fingerprint") != fingerprint:
+            shutil.rmtree(parts)  # inputs or recipe changed: old parts would mix two runs
+        if (parts / "input").exists():
+            shutil.rmtree(parts / "input")
+        parts.mkdir(parents=True, exist_ok=True)
+        staging.rename(parts / "input")
+        if not manifest.exists():
+            write_json(manifest, {"fingerprint": fingerprint, "recipe": to_dict(recipe), "shard_docs": shard_docs,
+                                  "inputs": [str(p) for p in input_paths]})
+        files = [parts / "input" / p.name for p in ingested["shards"]]
+        quarantine_files = [parts / "input" / p.name for p in ingested["quarantine"]]
+
+        dropped_files: list[Path] = []
+        step_infos: list[dict] = []
         for k, (is_global, steps) in enumerate(_segments(recipe)):
             if is_global:
                 folder = parts / f"seg{k:02d}-{steps[0].kind}"
                 if (folder / MARKER).exists():
                     reused += 1
                 else:
-                    # MinHash signatures shard by shard through the executor, like per-document steps
-                    kept, dropped, info = apply_step(current, steps[0], rewriter=rewriter, token_count=token_count,
-                                                     index=index, executor=executor,
-                                                     n_shards=max(1, -(-current.height // shard_docs)))
-                    _write_part(folder, kept, dropped, [info])
+                    _run_global_step(steps[0], files, folder, shard_docs=shard_docs, executor=executor,
+                                     rewriter=rewriter, token_count=token_count, index=index)
                     computed += 1
-                current, dropped, infos = _read_part(folder)
-                dropped_parts.append(dropped)
-                step_infos.extend(infos)
+                part = read_json(folder / "part.json")
+                files = [folder / f"kept-{j:05d}.parquet" for j in range(part["kept_files"])]
+                dropped_files += [folder / f"dropped-{j:05d}.parquet" for j in range(part["dropped_files"])]
+                step_infos.extend(part["steps"])
                 continue
-            shards = shard_frame(current, shard_docs)
-            folders = [parts / f"seg{k:02d}-local" / f"shard{i:05d}" for i in range(len(shards))]
+            folders = [parts / f"seg{k:02d}-local" / f"shard{i:05d}" for i in range(len(files))]
             futures = []
-            for shard, folder in zip(shards, folders):
+            for shard, folder in zip(files, folders):
                 if (folder / MARKER).exists():
                     reused += 1
                     continue
-                futures.append(executor.submit(_run_local_shard, shard, steps, str(folder), token_count))
+                futures.append(executor.submit(_run_local_shard, str(shard), steps, str(folder), token_count))
             errors = []
             for fut in futures:
                 try:
@@ -283,32 +591,52 @@ def curate_corpus(
                 except Exception as exc:  # noqa: BLE001 — let every shard finish, then report
                     errors.append(exc)
             if errors:
-                raise RuntimeError(f"{len(errors)} of {len(shards)} shards failed in segment {k}; "
+                raise RuntimeError(f"{len(errors)} of {len(files)} shards failed in segment {k}; "
                                    f"finished shards are kept under {parts} for a rerun") from errors[0]
-            loaded = [_read_part(f) for f in folders]
-            current = pl.concat([p[0] for p in loaded])
-            dropped_parts.extend(p[1] for p in loaded)
-            step_infos.extend(_merge_infos([p[2] for p in loaded]))
+            files = [f / "kept.parquet" for f in folders]
+            dropped_files += [f / "dropped.parquet" for f in folders]
+            step_infos.extend(_merge_infos([read_json(f / "steps.json") for f in folders]))
+
+        final = parts / "final"
+        if final.exists():
+            shutil.rmtree(final)
+        final.mkdir()
+        finals = [final / f"kept-{i:05d}.parquet" for i in range(len(files))]
+        out_counts = _gather(executor, _finalize_part, [(str(f), str(d), token_count) for f, d in zip(files, finals)])
     finally:
         if own_pool is not None:
             own_pool.shutdown()
 
-    kept = finalize(current)
-    dropped = pl.concat(dropped_parts) if dropped_parts else pl.DataFrame(schema=DROPPED_SCHEMA)
-    stats = curation_stats(docs, kept, dropped, token_count=token_count, steps=step_infos)
-    stats.update(
-        records_read=records_read,
-        quarantined=quarantine.height,
-        quarantined_by_reason=dict(sorted((r, int(c)) for r, c in quarantine.group_by("reason").len().iter_rows())),
-        recipe=to_dict(recipe),
-        shard_docs=shard_docs,
-    )
+    n_in, n_kept = _sum(in_counts, "docs"), _sum(out_counts, "docs")
+    n_drop, by_reason = _count_by(dropped_files, "reason")
+    if n_in != n_kept + n_drop:
+        raise AssertionError(f"curation lost documents: {n_in} in != {n_kept} kept + {n_drop} dropped")
+    n_quarantined, quarantined_by_reason = _count_by(quarantine_files, "reason")
+    records_read = ingested["records_read"]
+    stats = {
+        "docs_in": n_in,
+        "docs_kept": n_kept,
+        "docs_dropped": n_drop,
+        "words_in": _sum(in_counts, "words"),
+        "words_kept": _sum(out_counts, "words"),
+        "tokens_in": _sum(in_counts, "tokens"),
+        "tokens_kept": _sum(out_counts, "tokens"),
+        "docs_rewritten": _sum(out_counts, "rewritten"),
+        "dropped_by_reason": by_reason,
+        "steps": step_infos,
+        "records_read": records_read,
+        "quarantined": n_quarantined,
+        "quarantined_by_reason": quarantined_by_reason,
+        "recipe": to_dict(recipe),
+        "shard_docs": shard_docs,
+    }
     if index_stats is not None:
         stats["dedup_index"] = index_stats
-    if records_read != stats["docs_in"] + quarantine.height:
-        raise AssertionError(f"records read {records_read} != docs {stats['docs_in']} + quarantined {quarantine.height}")
-    write_parquet(out / "kept.parquet", kept)
-    write_parquet(out / "dropped.parquet", dropped)
-    write_parquet(out / "quarantine.parquet", quarantine)
+    if records_read != n_in + n_quarantined:
+        raise AssertionError(f"records read {records_read} != docs {n_in} + quarantined {n_quarantined}")
+    _concat_parquet(finals, out / "kept.parquet", KEPT_SCHEMA)
+    _concat_parquet(dropped_files, out / "dropped.parquet", DROPPED_SCHEMA)
+    _concat_parquet(quarantine_files, out / "quarantine.parquet", QUARANTINE_SCHEMA)
+    shutil.rmtree(final)
     write_json(out / "stats.json", stats)
     return {**stats, "run": {"shards_computed": computed, "shards_reused": reused}}

@@ -8,6 +8,7 @@ import polars as pl
 import pytest
 
 from tasks.curation import sharded
+from tasks.curation.prepare import drop_duplicate_ids
 from tasks.curation.recipes import Recipe, run_recipe, step
 from tasks.curation.sharded import SerialExecutor, curate_corpus, read_inputs
 from tests.tasks.curation.test_recipes import PROSE
@@ -137,3 +138,88 @@ def test_gzip_input_and_glob_curate_like_plain_jsonl(tmp_path):
     assert stats["quarantined_by_reason"] == {"invalid_json": 1, "empty_text": 1}
     with pytest.raises(ValueError, match=r"in.jsonl.bz2: unknown format; expected .jsonl \(.jsonl.gz, .jsonl.zst\)"):
         curate_corpus([str(tmp_path / "in.jsonl.bz2")], tmp_path / "bad", RECIPE, executor=SerialExecutor())
+
+
+NEAR_RECIPE = Recipe(steps=(step("gopher_repetition"), step("exact_dedup"),
+                            step("minhash", threshold=0.8, bands=28, rows=4), step("c4_quality")))
+
+
+def write_near_duplicate_corpus(tmp_path) -> list[str]:
+    """Two JSONL files and one Parquet file (73 documents): exact and near copies of earlier
+    documents, each in a later shard at shard_docs=8, some copies with ids sorting before their
+    original's (so the copy is the one kept), a repeated id, a bad line and a document without
+    text."""
+    import random
+
+    from tests.tasks.curation.test_dedup import doc, mutate
+
+    rng = random.Random(5)
+    base = {f"m{i:03d}": doc(rng, 120) for i in range(50)}
+    docs = dict(base)
+    for i, src in enumerate(rng.sample(sorted(base), 12)):
+        docs[f"n{i:03d}"] = mutate(base[src], rng, 2)  # near copy, a later shard
+    for i, src in enumerate(rng.sample(sorted(base), 6)):
+        docs[f"e{i:03d}"] = base[src].upper().replace(" ", "  ")  # exact copy, "e" sorts before "m"
+    docs["n100"] = mutate(docs["n000"], rng, 1)  # a near copy of a near copy
+    rows = [{"id": k, "text": v} for k, v in docs.items()]
+    first, second, third = rows[:30], rows[30:55], rows[55:]
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in first) + "{broken\n")
+    b = tmp_path / "b.jsonl"
+    b.write_text("".join(json.dumps(r) + "\n" for r in second) + json.dumps({"id": "m001", "text": "again"}) + "\n")
+    c = tmp_path / "c.parquet"
+    pl.DataFrame(third + [{"id": "none", "text": None}]).write_parquet(c)
+    return [str(a), str(b), str(c)]
+
+
+@pytest.mark.parametrize("n_workers", [1, 2], ids=["serial", "pool"])
+def test_streaming_engine_equals_in_memory_recipe_across_shards(tmp_path, n_workers):
+    """The streaming engine's kept, dropped (with duplicate_of) and counts are those of the
+    in-memory recipe (the engine's former behaviour) over the whole corpus read at once."""
+    inputs = write_near_duplicate_corpus(tmp_path)
+    stats = curate_corpus(inputs, tmp_path / "out", NEAR_RECIPE, shard_docs=8, n_workers=n_workers)
+    out = read_outputs(tmp_path / "out")
+    docs, quarantine = read_inputs(inputs)
+    docs, dup_ids = drop_duplicate_ids(docs)
+    ref = run_recipe(docs, NEAR_RECIPE)
+    assert out["kept.parquet"].equals(ref.kept)
+    assert out["dropped.parquet"].equals(ref.dropped)  # same order too: segment by segment, input order
+    assert out["quarantine.parquet"].equals(pl.concat([quarantine, dup_ids]))
+    near = out["dropped.parquet"].filter(pl.col("reason") == "minhash.near_duplicate")
+    exact = out["dropped.parquet"].filter(pl.col("reason") == "exact_dedup.duplicate")
+    assert near.height >= 10 and exact.height == 6  # the property is exercised across shards
+    assert set(exact["id"]).isdisjoint(exact["duplicate_of"])  # the lowest id survives: e* over m*
+    after_dedup = stats["steps"][2]["docs_out"]
+    assert stats["run"]["shards_computed"] == -(-stats["docs_in"] // 8) + 1 + 1 + -(-after_dedup // 8)
+    for key in ("docs_in", "docs_kept", "docs_dropped", "words_in", "words_kept", "tokens_in", "tokens_kept",
+                "dropped_by_reason", "steps"):
+        assert stats[key] == ref.stats[key], key
+    assert stats["quarantined_by_reason"] == {"invalid_json": 1, "missing_text": 1, "duplicate_id": 1}
+
+
+def test_main_process_holds_at_most_two_shards_of_documents(tmp_path, monkeypatch):
+    """With workers in other processes, no frame of documents built, read or written by the
+    main process is larger than two shards, while the corpus is ten shards."""
+    inputs = write_near_duplicate_corpus(tmp_path)
+    largest = [0]
+
+    def watch(fn):
+        def wrapped(*args, **kwargs):
+            res = fn(*args, **kwargs)
+            frames = [a for a in (res, *args) if isinstance(a, pl.DataFrame)]
+            for f in frames:
+                if "text" in f.columns:
+                    largest[0] = max(largest[0], f.height)
+            return res
+        return wrapped
+
+    monkeypatch.setattr(pl, "read_parquet", watch(pl.read_parquet))
+    monkeypatch.setattr(pl, "concat", watch(pl.concat))
+    monkeypatch.setattr(sharded, "write_parquet", watch(sharded.write_parquet))
+    monkeypatch.setattr(pl.DataFrame, "filter", watch(pl.DataFrame.filter))
+    stats = curate_corpus(inputs, tmp_path / "out", NEAR_RECIPE, shard_docs=6, n_workers=2)
+    assert stats["docs_in"] >= 10 * 6
+    assert 6 <= largest[0] <= 2 * 6
+    # the same watch sees the whole corpus when it is read in one piece
+    read_inputs(inputs)
+    assert largest[0] >= stats["docs_in"]
