@@ -150,7 +150,9 @@ def scalelab_worker(tasks: list[str], limit: int, threads: int, result: Path) ->
     """``scalelab eval tasks`` with ``threads`` torch threads; per-item log-likelihoods and the batching to JSON."""
     from tasks.common.models import load_causal_lm
     from tasks.common.params import default_preset, load_stage_config
-    from tasks.evaluation.downstream import EvaluateConfig, _plan, _units, encode_items, evaluate_tasks
+    from tasks.evaluation.downstream import (
+        EvaluateConfig, _plan, encode_items, evaluate_tasks, supports_shared_context,
+    )
     from tasks.training.loop import set_process_threads
 
     set_process_threads(threads)
@@ -167,10 +169,12 @@ def scalelab_worker(tasks: list[str], limit: int, threads: int, result: Path) ->
     for task in tasks:
         items = load_requests(task, shots=0, limit=limit).items
         encoded = encode_items(items, tok, model_ctx_len=meta["model_ctx_len"])
-        sizes += [len(b) for w in _plan(_units(encoded), cfg.scoring.batch_tokens) for b in w.rest_batches]
+        trees = cfg.scoring.shared_context == "auto" and supports_shared_context(model)
+        sizes += [b.n_reads for b in _plan(encoded, cfg.scoring, trees=trees)]
         request_tokens += [len(c) + len(k) - 1 for e in encoded for c, k in zip(e.ctxs, e.conts)]
     result.write_text(json.dumps({
         "load_s": t_load, "score_s": t_score, "batch_tokens": cfg.scoring.batch_tokens,
+        "row_tokens": cfg.scoring.row_tokens,
         "requests_per_batch": float(np.mean(sizes)),
         "request_tokens": float(np.mean(request_tokens)),
         "logliks": {r.task: {str(x.doc_id): list(x.loglik) for x in r.results} for r in runs}}))
@@ -283,7 +287,7 @@ def main() -> int:
             ours = result["logliks"]
             sizes = sizes or [max(1, round(result["batch_tokens"] / result["request_tokens"]))]
             runs.append({"system": "scalelab", "repeat": i, "wall_s": dt, "items": n_items, "items_per_s": n_items / dt,
-                         "batch": f"batch_tokens={result['batch_tokens']} "
+                         "batch": f"batch_tokens={result['batch_tokens']}, row_tokens={result['row_tokens']} "
                                   f"(mean {result['requests_per_batch']:.1f} requests)",
                          "load_s": result["load_s"], "score_s": result["score_s"]})
             print(f"scalelab  run {i}: {dt:6.1f} s ({n_items / dt:.2f} items/s; model load {result['load_s']:.1f} s, "

@@ -17,15 +17,16 @@ library's definitions (``olmo_eval.tasks.OEEvalTask.prep_examples`` and
 * ``bpb`` of the gold answer: ``-loglik_gold / n_bytes(gold continuation) * log2(e)``.
 
 What the library lacks and this module adds: reading only the first ``limit`` items, scoring with
-the shared context computed once per item (the choices differ only in their continuation: one
-forward of the context with a KV cache, then all continuations in one batch on top of it),
-batching grouped by length, per-item results, Wilson intervals and paired comparisons.
+the tokens an item's choices share computed once (the choices as one token tree under a tree
+attention mask, several items packed per row, no padding), the output head only at scored
+positions, per-item results, Wilson intervals and paired comparisons.
 Unconditional requests (``doc_id >= 1_000_000``, used by ``pmi_dc``) are skipped, as the library
 skips them.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import gzip
 import importlib.util
@@ -320,25 +321,32 @@ def encode_items(items: Sequence[TaskItem], tokenizer: TextTokenizer, *, model_c
 @dataclass(frozen=True, kw_only=True)
 class ScoringConfig:
     """``batch_tokens``: tokens (padding included) per forward, the memory/speed knob.
-    ``shared_context``: ``auto`` runs the token prefix that an item's choices share once and each
-    choice's rest on its KV cache, for models with a standard cache (Llama-family); ``never`` runs
-    one full forward per (context, continuation) as the library does. ``progress``: a bar on stderr
-    past this many items (0: never)."""
+    ``shared_context``: ``auto`` runs each item's choices as one token tree, the tokens they share
+    from the start once, several items packed per row (for models that take a 4D attention mask:
+    Llama-family); ``never`` runs one full forward per (context, continuation) as the library does.
+    ``row_tokens``: the length of a packed row, at most ``batch_tokens`` (attention over a row costs
+    ``row_tokens²``, so rows are short; an item longer than a row runs in a row of its own).
+    ``progress``: a bar on stderr past this many items (0: never)."""
 
     batch_tokens: int = 4096
     shared_context: Literal["auto", "never"] = "auto"
+    row_tokens: int = 256
     progress: int = 2000
 
     def __post_init__(self) -> None:
         require(self.batch_tokens >= 16, "batch_tokens", f"must be >= 16, got {self.batch_tokens}")
+        require(self.row_tokens >= 16, "row_tokens", f"must be >= 16, got {self.row_tokens}")
         require(self.progress >= 0, "progress", f"must be >= 0, got {self.progress}")
 
 
-_CACHE_MODELS = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "phi3", "smollm3"}
+# Families whose logits are head(decoder(x)) and whose decoder takes a 4D attention mask and position
+# ids as given (transformers' create_causal_mask returns a 4D mask unchanged, and sdpa then runs with
+# is_causal=False): their choices can run as packed token trees. Others (xLSTM) run padded, whole.
+_TREE_MODELS = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "phi3", "smollm3"}
 
 
 def supports_shared_context(model: nn.Module) -> bool:
-    return getattr(getattr(model, "config", None), "model_type", None) in _CACHE_MODELS
+    return getattr(getattr(model, "config", None), "model_type", None) in _TREE_MODELS
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -347,42 +355,63 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-@dataclass
-class _Unit:
-    """The choices of one item that share a token prefix: the prefix runs once (into a KV cache), then
-    every choice's rest runs on top of it in one batch.
+@dataclass(frozen=True)
+class _Tree:
+    """Choices of one item as a token trie: the tokens they share from the start are one node each.
 
-    ``rests[j]`` is choice ``choices[j]``'s input after the prefix: the rest of its context, then its
-    continuation but the last token. Its last ``len(continuation)`` positions predict the
-    continuation. The prefix is at most the shortest context less one token, so every prediction
-    comes from the rest pass; an empty prefix makes each rest a whole ``ctx + cont[:-1]``."""
+    Node ``n`` holds ``tokens[n]`` at position ``depth[n]``; ``parent[n]`` is the node before it on
+    every path through it (-1 at the root), and a parent is numbered before its children. Each
+    choice's input ``ctx + cont[:-1]`` is one root-to-node path, and ``reads`` holds, per choice,
+    ``(choice, nodes, targets)``: the path's last ``len(cont)`` nodes, whose next-token
+    distributions score the continuation. A node that attends to its ancestors only (and itself),
+    at its depth as position id, gets exactly the hidden state that a full forward of any choice
+    through it computes — so the shared context (Winogrande's words before the option, PIQA's
+    common first words of the two solutions too) runs once, with no KV cache to copy.
+    A tree of one choice is a chain: the request as the library runs it."""
 
     item: int
-    prefix: tuple[int, ...]
-    choices: list[int] = field(default_factory=list)
-    rests: list[tuple[int, ...]] = field(default_factory=list)
+    tokens: list[int]
+    parent: list[int]
+    depth: list[int]
+    reads: list[tuple[int, list[int], tuple[int, ...]]]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_reads(self) -> int:
+        return len(self.reads)
+
+    def ancestors(self) -> np.ndarray:
+        """(len, len) bool: ``[n, m]`` when node ``m`` is ``n`` or on its path from the root."""
+        out = np.eye(len(self), dtype=bool)
+        for n, p in enumerate(self.parent):
+            if p >= 0:
+                out[n] |= out[p]
+        return out
 
 
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
-    n = min(len(s) for s in seqs)
-    for p in range(n):
-        t = seqs[0][p]
-        if any(s[p] != t for s in seqs):
-            return p
-    return n
-
-
-def _units(encoded: Sequence[EncodedItem], *, share: bool = True) -> list[_Unit]:
-    """One unit per item with the choices' longest shared context prefix (``share``), else one unit
-    per (item, choice) with no prefix (one full forward per choice, as the library scores)."""
-    units: list[_Unit] = []
-    for i, e in enumerate(encoded):
-        groups = [list(range(e.item.n_choices))] if share else [[k] for k in range(e.item.n_choices)]
-        for ks in groups:
-            p = min(_common_prefix([e.ctxs[k] for k in ks]), min(len(e.ctxs[k]) for k in ks) - 1) if share else 0
-            units.append(_Unit(item=i, prefix=e.ctxs[ks[0]][:p], choices=ks,
-                               rests=[e.ctxs[k][p:] + e.conts[k][:-1] for k in ks]))
-    return units
+def _tree(item: int, e: EncodedItem, choices: Sequence[int]) -> _Tree:
+    """The trie of the requests of ``choices`` of item ``e`` (number ``item``)."""
+    tokens: list[int] = []
+    parent: list[int] = []
+    depth: list[int] = []
+    reads = []
+    child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for k in choices:
+        ctx, cont = e.ctxs[k], e.conts[k]
+        node, path = -1, []
+        for d, tok in enumerate(ctx + cont[:-1]):
+            nxt = child.get((node, tok))
+            if nxt is None:
+                nxt = child[node, tok] = len(tokens)
+                tokens.append(tok)
+                parent.append(node)
+                depth.append(d)
+            node = nxt
+            path.append(node)
+        reads.append((k, path[len(ctx) - 1:], cont))
+    return _Tree(item=item, tokens=tokens, parent=parent, depth=depth, reads=reads)
 
 
 def _pack(lengths: Sequence[int], batch_tokens: int) -> list[slice]:
@@ -396,58 +425,113 @@ def _pack(lengths: Sequence[int], batch_tokens: int) -> list[slice]:
     return runs
 
 
+def _rows(trees: Sequence[_Tree], row_tokens: int) -> list[list[_Tree]]:
+    """Trees packed into rows of at most ``row_tokens`` tokens, best fit decreasing (a tree longer
+    than that gets a row of its own). Items are ~50 tokens, so rows end nearly full."""
+    rows: list[list[_Tree]] = []
+    free: list[tuple[int, int]] = []  # (tokens left, row), ascending
+    for t in sorted(trees, key=len, reverse=True):
+        at = bisect.bisect_left(free, (len(t), -1))
+        if at == len(free):
+            rows.append([t])
+            left, r = row_tokens - len(t), len(rows) - 1
+        else:
+            left, r = free.pop(at)
+            rows[r].append(t)
+            left -= len(t)
+        if left > 0:
+            bisect.insort(free, (left, r))
+    return rows
+
+
 @dataclass(frozen=True)
-class _Window:
-    """Units whose prefixes are held in memory together: ``prefix_batches`` run first (units in
-    ascending prefix length, those without a prefix left out), then ``rest_batches`` — every choice
-    of the window as (unit, choice position), in ascending rest length — run on those caches."""
+class _Batch:
+    """Rows of one forward. ``packed``: trees side by side under a 4D tree mask with their own
+    position ids; else one chain per row, right-padded, under the model's own causal mask."""
 
-    units: list[_Unit]
-    prefix_batches: list[list[_Unit]]
-    rest_batches: list[list[tuple[_Unit, int]]]
+    packed: bool
+    rows: list[list[_Tree]]
 
-
-def _plan(units: list[_Unit], batch_tokens: int) -> list[_Window]:
-    """Windows of units in ascending prefix length, each holding up to ``4 * batch_tokens`` prefix
-    tokens in its caches.
-
-    Packing prefixes and rests separately, each sorted by its own length, is what keeps padding low:
-    sorting whole units by prefix length left two padded tokens per real one in the rest pass (the
-    choices of PIQA and HellaSwag differ in length), and rows of a rest batch may come from any
-    prefix batch of the window. On 800 SmolLM2 items (ARC-Easy, PIQA, HellaSwag, Winogrande) it
-    runs 55k padded tokens for 42k real ones, where packing whole units ran 98k."""
-    order = sorted(units, key=lambda u: len(u.prefix))
-    window_tokens = 4 * batch_tokens
-    windows, start, held = [], 0, 0
-    for i, u in enumerate(order + [None]):
-        if u is None or (i > start and held + len(u.prefix) > window_tokens):
-            members = order[start:i]
-            with_prefix = [m for m in members if m.prefix]
-            prefix_batches = [with_prefix[s] for s in _pack([len(m.prefix) for m in with_prefix], batch_tokens)]
-            rows = sorted(((m, j) for m in members for j in range(len(m.choices))), key=lambda r: len(r[0].rests[r[1]]))
-            rest_batches = [rows[s] for s in _pack([len(m.rests[j]) for m, j in rows], batch_tokens)]
-            windows.append(_Window(units=members, prefix_batches=prefix_batches, rest_batches=rest_batches))
-            start, held = i, 0
-        if u is not None:
-            held += len(u.prefix)
-    return windows
+    @property
+    def n_reads(self) -> int:
+        return sum(t.n_reads for row in self.rows for t in row)
 
 
-def _padded(seqs: Sequence[Sequence[int]], pad: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids and their 0/1 mask, both (len(seqs), ``length`` or the longest) long."""
-    L = max(len(s) for s in seqs) if length is None else length
-    ids = torch.full((len(seqs), L), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[r, : len(s)] = 1
-    return ids, mask
+def _plan(encoded: Sequence[EncodedItem], cfg: ScoringConfig, *, trees: bool,
+          window: int | None = None) -> list[_Batch]:
+    """The forwards that score every choice of ``encoded``: one tree per item, packed into rows, when
+    ``trees``; else one chain per (item, choice), a row each. Rows are batched in ascending length,
+    up to ``cfg.batch_tokens`` tokens (padding included) per forward.
+
+    An item with a request longer than the model's sliding ``window`` runs as chains (the tree
+    mask has no window). Packing, not padding, is what makes sharing pay: on 800 SmolLM2 items
+    (ARC-Easy, PIQA, HellaSwag, Winogrande) the trees hold 39k tokens and the packed rows 40k;
+    running each item's shared prefix once into a KV cache and the choices' rests on copies of it,
+    right-padded, ran 63k, and one chain per choice holds 81k."""
+    def fits(e: EncodedItem) -> bool:
+        return window is None or max(len(c) + len(k) - 1 for c, k in zip(e.ctxs, e.conts)) <= window
+
+    shared = [i for i, e in enumerate(encoded) if trees and fits(e)]
+    alone = sorted(set(range(len(encoded))) - set(shared))
+    row_tokens = min(cfg.row_tokens, cfg.batch_tokens)
+    packed = _rows([_tree(i, encoded[i], range(encoded[i].item.n_choices)) for i in shared], row_tokens)
+    chains = [[_tree(i, encoded[i], [k])] for i in alone for k in range(encoded[i].item.n_choices)]
+    out = []
+    for is_packed, rows in ((True, packed), (False, chains)):
+        rows = sorted(rows, key=_row_length)
+        out += [_Batch(is_packed, rows[s]) for s in _pack([_row_length(r) for r in rows], cfg.batch_tokens)]
+    return out
+
+
+def _row_length(row: Sequence[_Tree]) -> int:
+    return sum(len(t) for t in row)
+
+
+def _inputs(batch: _Batch, pad: int, mask_dtype: torch.dtype) -> dict[str, Any]:
+    """A batch as model inputs plus where to read: ``input_ids`` (B, T); ``attention_mask``: for
+    packed rows (B, 1, T, T) additive (0 where a token may attend, the dtype's minimum elsewhere:
+    its own tree's ancestors; a padding token sees itself only, so no softmax row is empty) with
+    ``position_ids`` (B, T), else the (B, T) 0/1 padding mask. ``rows``/``cols``/``targets`` (M,)
+    say which log-probability each read takes; ``request`` (M,) indexes ``requests``, the
+    (item, choice) it adds to."""
+    T = max(_row_length(r) for r in batch.rows)
+    B = len(batch.rows)
+    ids = np.full((B, T), pad, dtype=np.int64)
+    positions = np.zeros((B, T), dtype=np.int64)
+    allowed = np.zeros((B, T, T) if batch.packed else (0, 0, 0), dtype=bool)
+    if batch.packed:
+        allowed[:, np.arange(T), np.arange(T)] = True
+    rows, cols, targets, request, requests = [], [], [], [], []
+    for r, row in enumerate(batch.rows):
+        o = 0
+        for t in row:
+            n = len(t)
+            ids[r, o : o + n] = t.tokens
+            positions[r, o : o + n] = t.depth
+            if batch.packed:
+                allowed[r, o : o + n, o : o + n] = t.ancestors()
+            for k, nodes, cont in t.reads:
+                rows += [r] * len(nodes)
+                cols += [o + node for node in nodes]
+                targets += cont
+                request += [len(requests)] * len(nodes)
+                requests.append((t.item, k))
+            o += n
+    if batch.packed:
+        mask = torch.zeros((B, 1, T, T), dtype=mask_dtype)
+        mask.masked_fill_(~torch.from_numpy(allowed).unsqueeze(1), torch.finfo(mask_dtype).min)
+        extra = {"attention_mask": mask, "position_ids": torch.from_numpy(positions)}
+    else:
+        lengths = torch.tensor([_row_length(r) for r in batch.rows])
+        extra = {"attention_mask": (torch.arange(T) < lengths[:, None]).long()}
+    return {"input_ids": torch.from_numpy(ids), **extra, "rows": torch.tensor(rows), "cols": torch.tensor(cols),
+            "targets": torch.tensor(targets), "request": torch.tensor(request), "requests": requests}
 
 
 class _Scorer:
     """Forward passes of one model, with the output head run only where a log-probability is read.
 
-    For the families of :data:`_CACHE_MODELS` the logits are ``head(decoder(x))`` (plus Gemma-2's
+    For the families of :data:`_TREE_MODELS` the logits are ``head(decoder(x))`` (plus Gemma-2's
     soft cap), so the decoder runs on every token and the head — a fifth of SmolLM2-135M's
     per-token compute, and a (rows x vocab) float tensor — only on the scored positions, in chunks.
     Other models (xLSTM) run whole and are read at the same positions."""
@@ -462,46 +546,16 @@ class _Scorer:
             self.head = model.get_output_embeddings()
             self.softcap = getattr(model.config, "final_logit_softcapping", None)
             self.split = self.decoder is not None and self.head is not None
+        self.window = getattr(getattr(model, "config", None), "sliding_window", None) or None
+        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
-    def prefix(self, ids: torch.Tensor, mask: torch.Tensor) -> Any:
-        """The KV cache of a batch of prefixes (right-padded)."""
-        return self.decoder(input_ids=ids, attention_mask=mask, use_cache=True).cache
-
-    def gather_cache(self, sources: Sequence[tuple[list[tuple[torch.Tensor, torch.Tensor]], int] | None],
-                     length: int) -> Any:
-        """One cache of ``length`` positions whose row r is prefix batch row ``sources[r] = (layers, b)``
-        (zeros for None: a row without a prefix, masked out)."""
-        first = next(s for s in sources if s is not None)[0]
-        data = []
-        for li in range(len(first)):
-            k0 = first[li][0]
-            keys = k0.new_zeros((len(sources), k0.shape[1], length, k0.shape[3]))
-            values = torch.zeros_like(keys)
-            for r, src in enumerate(sources):
-                if src is not None:
-                    layers, b = src
-                    n = min(length, layers[li][0].shape[2])
-                    keys[r, :, :n] = layers[li][0][b, :, :n]
-                    values[r, :, :n] = layers[li][1][b, :, :n]
-            data.append((keys, values))
-        from transformers.cache_utils import DynamicCache
-
-        return DynamicCache(data, config=self.model.config)
-
-    def logprobs(self, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                 targets: torch.Tensor, *, cache: Any = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``log p(targets[m] | ids[rows[m], :cols[m] + 1])`` for every m, float32 (M,).
-
-        With ``cache`` (a prefix batch expanded to these rows), ``mask`` covers prefix and ids and
-        ``positions`` are the ids' absolute positions."""
-        kw: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
-        if cache is not None:
-            kw.update(cache=cache, position_ids=positions, use_cache=True)
-        else:
-            kw["use_cache"] = False
+    def logprobs(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``log p(targets[m] | the tokens row rows[m] lets position cols[m] see)`` for every m, float32 (M,)."""
+        kw = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+        rows, cols, targets = inputs["rows"], inputs["cols"], inputs["targets"]
         if not self.split:
-            return _target_logprobs(self.model(**kw).logits[rows, cols], targets)
-        hidden = self.decoder(**kw).last_hidden_state[rows, cols]
+            return _target_logprobs(self.model(**kw, use_cache=False).logits[rows, cols], targets)
+        hidden = self.decoder(**kw, use_cache=False).last_hidden_state[rows, cols]
         vocab = getattr(self.head, "out_features", None) or self.model.config.vocab_size
         step = max(1, self.HEAD_CHUNK_ELEMENTS // vocab)
         parts = []
@@ -519,52 +573,16 @@ def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def _score_window(scorer: _Scorer, window: _Window, encoded: Sequence[EncodedItem], pad: int,
-                  device: torch.device) -> list[tuple[int, int, float]]:
-    """Every prefix of the window into KV caches, then every choice's rest on its unit's prefix."""
-    held: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], int]] = {}  # id(unit) -> (layers, row)
-    for batch in window.prefix_batches:
-        ids, mask = _padded([u.prefix for u in batch], pad)
-        cache = scorer.prefix(ids.to(device), mask.to(device))
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        for b, u in enumerate(batch):
-            held[id(u)] = (layers, b)
-    out = []
-    for batch in window.rest_batches:
-        rest, rest_mask = _padded([u.rests[j] for u, j in batch], pad)
-        row_of, col_of, target = [], [], []
-        for r, (u, j) in enumerate(batch):
-            cont = encoded[u.item].conts[u.choices[j]]
-            n = len(u.rests[j])
-            row_of += [r] * len(cont)
-            col_of += range(n - len(cont), n)
-            target += cont
-        row_t, col_t = torch.tensor(row_of), torch.tensor(col_of)
-        cache = positions = None
-        mask = rest_mask
-        lp = max(len(u.prefix) for u, _ in batch)
-        if lp:  # the rows' prefixes gathered into one right-padded cache (rows without one see none of it)
-            prefix_mask = _padded([u.prefix for u, _ in batch], pad, lp)[1]
-            cache = scorer.gather_cache([held.get(id(u)) for u, _ in batch], lp)
-            mask = torch.cat([prefix_mask, rest_mask], dim=1)
-            positions = (prefix_mask.sum(1, keepdim=True) + torch.arange(rest.shape[1])).to(device)
-        lps = scorer.logprobs(rest.to(device), mask.to(device), row_t.to(device), col_t.to(device),
-                              torch.tensor(target, device=device), cache=cache, positions=positions)
-        total = torch.zeros(len(batch), dtype=torch.float64).index_add_(0, row_t, lps.double().cpu())
-        out += [(u.item, u.choices[j], float(total[r])) for r, (u, j) in enumerate(batch)]
-    return out
-
-
 def score_encoded(model: nn.Module, encoded: Sequence[EncodedItem], cfg: ScoringConfig, *, pad_token_id: int,
                   on_batch: Callable[[int], None] | None = None) -> list[np.ndarray]:
     """Summed log-likelihood (nats) of every choice of every item: ``out[i][k]`` float64, shape (n_choices,).
 
     Deterministic; fp32 on CPU, bf16 autocast on CUDA. The model's train/eval mode is restored.
-    ``on_batch(n_units_done)`` is called after each window of batches (for a progress bar).
+    ``on_batch(n_requests_done)`` is called after each forward (for a progress bar).
     """
     device = _device_of(model)
     scorer = _Scorer(model)
-    units = _units(encoded, share=cfg.shared_context == "auto" and scorer.split)
+    plan = _plan(encoded, cfg, trees=cfg.shared_context == "auto" and scorer.split, window=scorer.window)
     out = [np.full(e.item.n_choices, np.nan) for e in encoded]
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else torch.autocast("cpu", enabled=False))
@@ -573,10 +591,15 @@ def score_encoded(model: nn.Module, encoded: Sequence[EncodedItem], cfg: Scoring
     done = 0
     try:
         with torch.inference_mode(), autocast:
-            for window in _plan(units, cfg.batch_tokens):
-                for i, k, ll in _score_window(scorer, window, encoded, pad_token_id, device):
+            for batch in plan:
+                inputs = _inputs(batch, pad_token_id, scorer.dtype)
+                lps = scorer.logprobs({k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                       for k, v in inputs.items()})
+                totals = torch.zeros(len(inputs["requests"]), dtype=torch.float64).index_add_(
+                    0, inputs["request"], lps.double().cpu())
+                for (i, k), ll in zip(inputs["requests"], totals.tolist()):
                     out[i][k] = ll
-                done += len(window.units)
+                done += len(inputs["requests"])
                 if on_batch is not None:
                     on_batch(done)
     finally:
@@ -752,13 +775,13 @@ class _progress:
         self.total, self.label, self._t0, self._out = total, label, time.perf_counter(), sys.stderr
         self._last = -1.0
 
-    def update(self, units_done: int) -> None:
+    def update(self, requests_done: int) -> None:
         import time
 
         now = time.perf_counter()
         if now - self._last >= 2.0:
             self._last = now
-            self._out.write(f"\r{self.label}: {units_done} units scored ({now - self._t0:.0f} s)")
+            self._out.write(f"\r{self.label}: {requests_done} requests scored ({now - self._t0:.0f} s)")
             self._out.flush()
 
     def close(self) -> None:

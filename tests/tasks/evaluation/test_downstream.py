@@ -121,21 +121,107 @@ def test_shared_context_equals_one_forward_per_choice(task, batch_tokens, neox, 
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
 
 
-def test_choices_share_their_longest_common_context_prefix(neox):
+def _reference_logliks(model, encoded) -> list[np.ndarray]:
+    """One full forward per (context, continuation), no batching: the definition."""
+    out = []
+    with torch.no_grad():
+        for e in encoded:
+            ll = []
+            for ctx, cont in zip(e.ctxs, e.conts):
+                ids = torch.tensor([ctx + cont[:-1]])
+                logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].double(), -1)
+                ll.append(sum(float(logp[len(ctx) - 1 + t, c]) for t, c in enumerate(cont)))
+            out.append(np.array(ll))
+    return out
+
+
+def _synthetic_items(seed: int, vocab: int) -> list:
+    """Items of varied shapes: a shared context and continuations that share their first tokens;
+    Winogrande-style choices whose contexts differ at the first token or after a few, with the same
+    continuation; a choice repeated verbatim; one item of 70 tokens (longer than a 32-token row)."""
+    from tasks.evaluation.downstream import EncodedItem, TaskItem
+
+    rng = np.random.default_rng(seed)
+
+    def toks(n):
+        return tuple(int(x) for x in rng.integers(1, vocab, n))
+
+    shapes = []
+    for n_ctx in (1, 3, 9, 17):
+        ctx, stem = toks(n_ctx), toks(2)
+        shapes.append(([ctx] * 3, [toks(1), stem + toks(3), stem + toks(5)]))
+    for n_shared in (0, 4):
+        head, tail, cont = toks(n_shared), toks(6), toks(4)
+        shapes.append(([head + toks(1) + tail, head + toks(2) + tail], [cont, cont]))
+    ctx, cont = toks(5), toks(3)
+    shapes.append(([ctx, ctx], [cont, cont]))
+    ctx = toks(60)
+    shapes.append(([ctx] * 2, [toks(8), toks(11)]))
+    items = []
+    for d, (ctxs, conts) in enumerate(shapes):
+        item = TaskItem(task="t", doc_id=d, gold=0, contexts=("",) * len(ctxs), continuations=("",) * len(ctxs))
+        items.append(EncodedItem(item=item, ctxs=tuple(ctxs), conts=tuple(conts), cont_chars=(1,) * len(ctxs),
+                                 cont_bytes=(1,) * len(ctxs)))
+    return [items[i] for i in rng.permutation(len(items))]
+
+
+@pytest.mark.parametrize("batch_tokens", [32, 100, 4096])
+def test_packed_trees_equal_one_full_forward_per_request(batch_tokens):
+    """Several items per row, each under its tree mask with its own positions, and an item longer
+    than a row alone: every choice's log-likelihood is the one of its own full forward."""
+    from tasks.evaluation.downstream import _plan
+    from tasks.training.config import ModelShape
+    from tasks.training.model import build_model
+
+    vocab = 97
+    model = build_model(ModelShape(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2), vocab, 128, seed=5).eval()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model.lm_head.weight.normal_(0.0, 1.0)  # choices differ clearly
+    encoded = _synthetic_items(0, vocab)
+    cfg = ScoringConfig(batch_tokens=batch_tokens, row_tokens=32)
+    plan = _plan(encoded, cfg, trees=True)
+    assert all(b.packed for b in plan)
+    assert any(len(row) > 1 for b in plan for row in b.rows)  # items share rows
+    if batch_tokens > 100:
+        assert any(len(b.rows) > 1 for b in plan)  # rows share forwards
+    assert max(len(t) for b in plan for row in b.rows for t in row) > cfg.row_tokens  # the long item ran
+    ref = _reference_logliks(model, encoded)
+    for got, want in zip(score_encoded(model, encoded, cfg, pad_token_id=0), ref):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    # a sliding window shorter than the long item sends it (only it) to one chain per choice
+    plan = _plan(encoded, cfg, trees=True, window=40)
+    assert sorted({t.item for b in plan if not b.packed for row in b.rows for t in row}) == [
+        i for i, e in enumerate(encoded) if len(e.ctxs[0]) > 40]
+    model.config.sliding_window = 40
+    try:
+        for got, want in zip(score_encoded(model, encoded, cfg, pad_token_id=0), ref):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    finally:
+        model.config.sliding_window = None
+
+
+def test_choices_share_the_tokens_they_have_in_common_from_the_start(neox):
     """Winogrande's choices differ in the option word inside the context: the words before it run once."""
-    from tasks.evaluation.downstream import _units
+    from tasks.evaluation.downstream import _tree
 
     encoded = encode_items(load_requests("winogrande", limit=20).items, neox, model_ctx_len=WIDE)
-    units = _units(encoded)
-    assert len(units) == len(encoded)
-    assert any(0 < len(u.prefix) < min(len(c) for c in encoded[u.item].ctxs) - 1 for u in units)
-    for u in units:
-        e = encoded[u.item]
-        assert len(u.prefix) < min(len(c) for c in e.ctxs)  # every prediction comes from the rest pass
-        for k, rest in zip(u.choices, u.rests):
-            assert u.prefix + rest == e.ctxs[k] + e.conts[k][:-1]
-    alone = _units(encoded, share=False)
-    assert len(alone) == sum(e.item.n_choices for e in encoded) and not any(u.prefix for u in alone)
+    shared = 0
+    for i, e in enumerate(encoded):
+        t = _tree(i, e, range(e.item.n_choices))
+        requests = [e.ctxs[k] + e.conts[k][:-1] for k in range(e.item.n_choices)]
+        assert len(t) < sum(len(r) for r in requests)
+        shared += len(t) < sum(len(r) for r in requests) - 1  # more than the first token
+        anc = t.ancestors()
+        assert [k for k, _, _ in t.reads] == list(range(e.item.n_choices))
+        for (k, nodes, cont), request in zip(t.reads, requests):
+            assert tuple(cont) == e.conts[k]
+            last = nodes[-1]  # its ancestors, in depth order, are the request's tokens
+            path = np.flatnonzero(anc[last])
+            assert [t.tokens[n] for n in path] == list(request)
+            assert [t.depth[n] for n in path] == list(range(len(request)))
+            assert list(path[len(e.ctxs[k]) - 1:]) == nodes
+    assert shared > 0
 
 
 def test_bpb_and_length_normalisation_follow_the_definitions():
