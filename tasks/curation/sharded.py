@@ -377,22 +377,40 @@ def _apply_duplicates(shard: str, decision: str, reason: str, kept_path: str, dr
     return int(is_dup.sum())
 
 
+def _record_batches(sources: Sequence[Path], batch_rows: int = 4_096):
+    """The rows of Parquet files as Arrow record batches, in order: a few thousand rows in memory."""
+    import pyarrow.parquet as pq
+
+    for src in sources:
+        yield from pq.ParquetFile(src).iter_batches(batch_size=batch_rows)
+
+
+def _write_arrow(path: Path, table: Any) -> None:
+    import pyarrow.parquet as pq
+
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+
+
 def _rechunk(sources: Sequence[Path], folder: Path, shard_docs: int) -> int:
     """Copy the rows of ``sources`` (in order) into ``folder/kept-<j>.parquet`` of ``shard_docs``
-    rows each (at least one file, possibly empty), as the next segment's shards; holds at most
-    about two shards. Returns the number of files."""
+    rows each (at least one file, possibly empty), as the next segment's shards; streams Arrow
+    batches, so at most one shard is held. Returns the number of files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(sources[0])
     n_out, buf, buffered = 0, [], 0
-    for src in sources:
-        frame = pl.read_parquet(src)
-        buf.append(frame)
-        buffered += frame.height
+    for batch in _record_batches(sources):
+        buf.append(pa.Table.from_batches([batch]).cast(schema))
+        buffered += batch.num_rows
         while buffered >= shard_docs:
-            whole = pl.concat(buf)
-            write_parquet(folder / f"kept-{n_out:05d}.parquet", whole.head(shard_docs))
+            whole = pa.concat_tables(buf)
+            _write_arrow(folder / f"kept-{n_out:05d}.parquet", whole.slice(0, shard_docs))
             n_out += 1
-            buf, buffered = [whole.slice(shard_docs)], whole.height - shard_docs
+            buf, buffered = [whole.slice(shard_docs)], whole.num_rows - shard_docs
     if buffered or n_out == 0:
-        write_parquet(folder / f"kept-{n_out:05d}.parquet", pl.concat(buf))
+        _write_arrow(folder / f"kept-{n_out:05d}.parquet", pa.concat_tables(buf) if buf else schema.empty_table())
         n_out += 1
     return n_out
 
@@ -464,12 +482,25 @@ def _finalize_part(src: str, dst: str, token_count: TokenCount) -> dict:
 
 
 def _concat_parquet(sources: Sequence[Path], dest: Path, schema: dict) -> None:
-    """``sources`` (same columns) streamed into one file, rows in order; an empty list gives an empty file."""
+    """``sources`` (same columns) streamed into one file, rows in order, a row group per
+    ~16k rows; an empty list gives an empty file of ``schema``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     if not sources:
         write_parquet(dest, pl.DataFrame(schema=schema))
         return
-    with atomic_path(dest) as tmp:
-        pl.scan_parquet([str(p) for p in sources]).sink_parquet(tmp)
+    arrow_schema = pq.read_schema(sources[0])
+    with atomic_path(dest) as tmp, pq.ParquetWriter(tmp, arrow_schema, compression="zstd") as writer:
+        buf, buffered = [], 0
+        for batch in _record_batches(sources):
+            buf.append(pa.Table.from_batches([batch]).cast(arrow_schema))
+            buffered += batch.num_rows
+            if buffered >= 16_384:
+                writer.write_table(pa.concat_tables(buf))
+                buf, buffered = [], 0
+        if buf:
+            writer.write_table(pa.concat_tables(buf))
 
 
 def _count_by(sources: Sequence[Path], column: str) -> tuple[int, dict[str, int]]:
