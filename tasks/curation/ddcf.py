@@ -217,7 +217,7 @@ def parse_pool_variant(tag: str, *, field: str = "pool") -> PoolVariant | None:
 
 
 def _default_olmo_finetune() -> FinetuneConfig:
-    return FinetuneConfig(steps=24, lr=2e-5, batch_size=8)
+    return FinetuneConfig(steps=16, lr=5e-5, batch_size=4)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,13 +236,13 @@ class OlmoEvalSetting:
     shots: int = 0
     correct: Literal["primary", "acc", "len_norm"] = "primary"
     n_pool: int = 1000
-    n_seed: int = 200
-    n_test: int = 300
+    n_seed: int = 150
+    n_test: int = 250
     target: str = "smollm2"
-    pool: tuple[str, ...] = ("rtn4", "rtn3", "rtn3g128", "rtn2g32", "drop2", "drop4", "drop8", "drop4+rtn3")
+    pool: tuple[str, ...] = ("rtn4", "rtn3", "rtn2g32", "drop2", "drop6", "drop4+rtn3")
     calib_windows: int = 8         # cosine_drop's windows of model_ctx_len tokens, cut from the pool's question text
     model_ctx_len: int = 256
-    score_target_pool: bool = True  # the target's true correctness on the pool: target_pool_auc (a diagnostic)
+    score_target_pool: bool = False  # the target's true correctness on the pool: target_pool_auc (a diagnostic)
     repeats: int = 1
     finetune: FinetuneConfig = field(default_factory=_default_olmo_finetune)
     scoring: ScoringConfig = field(default_factory=lambda: ScoringConfig(progress=0))
@@ -780,6 +780,8 @@ class SettingResult:
     metrics: dict[str, float | None]
     matrix: np.ndarray = dataclasses.field(repr=False)
     pool_models: list[str] = dataclasses.field(default_factory=list)
+    # setting (b): every correctness row scored or reused, by key, for a caller to pass back in
+    correctness: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
 
 
 def _op_subset(family: QuestionFamily, ops: str) -> QuestionFamily:

@@ -20,7 +20,7 @@ questions, the models and the fine-tuning loss of setting (b) (:class:`~tasks.cu
   :func:`~tasks.compression.block_pruning.prune_by_scores`), or both; and any other model
   :func:`tasks.common.models.load_causal_lm` reads (a ladder folder: scored with its own tokenizer,
   items too long for its window left unobserved, -1). The default pool for SmolLM2-135M is
-  ``rtn4, rtn3, rtn3g128, rtn2g32, drop2, drop4, drop8, drop4+rtn3`` (group 64 unless ``g``).
+  ``rtn4, rtn3, rtn2g32, drop2, drop6, drop4+rtn3`` (group 64 unless ``g``).
   The target itself is not in the pool: it is seen only on the seed set.
 * **Fine-tuning**: the target on each selection with :func:`tasks.curation.ddcf.finetune_on`
   (same steps for every selection under ``finetune.schedule: steps``), the loss the mean negative
@@ -29,8 +29,17 @@ questions, the models and the fine-tuning loss of setting (b) (:class:`~tasks.cu
   positions.
 
 Annotation cost and the baselines follow setting (a). Since gold answers exist for the whole pool,
-the target's true correctness there is scored too (``score_target_pool``), giving
-``target_pool_auc`` and each selection's ``selected_pool_accuracy``.
+the target's true correctness there can be scored too (``score_target_pool``, on in the ``full``
+preset; 1,000 items cost ~7 minutes on one core), giving ``target_pool_auc`` and each selection's
+``selected_pool_accuracy``.
+
+CPU sizing (the base values of params/select.yaml, what ``benchmarks/ddcf_quality.py --setting
+olmo_eval`` runs): on one core of the 2-core development machine SmolLM2-135M scored 2-3 items a
+second and took ~8 s per fine-tuning step of 4 questions, so the pool is 6 variants on 150 seed
+questions, the test split 250 questions and each fine-tune 16 steps of 4; one fine-tune and its
+test scoring take ~3.5 minutes, the shared part (loading, MiniLM embeddings of 1,150 questions,
+scoring the pool and the target) ~12 minutes, which ``benchmarks/ddcf_quality.py --cache`` lets
+later runs skip. Under equal compute the ``full`` baseline sees 64 of the pool's questions.
 
 Run: ``.venv/bin/python benchmarks/ddcf_quality.py --setting olmo_eval`` (or the select stage with
 ``settings: [olmo_eval]``).
@@ -150,24 +159,43 @@ def gold_rows(items: Sequence[TaskItem], tokenizer, model_ctx_len: int) -> Encod
     return EncodedQA(ids=ids, target_mask=mask)
 
 
-def continuation_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def continuation_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, chunk_tokens: int = 512
+                      ) -> torch.Tensor:
     """Mean negative log-likelihood (nats per token) of the continuation tokens given their context:
     ``-mean_{(i, t): mask[i, t]} log p(ids[i, t+1] | ids[i, :t+1])``.
 
-    The batch is cut after its last continuation token and, where the model's forward takes
-    ``logits_to_keep`` (transformers causal LMs), the output head runs only at the positions some
-    row's mask holds (right padding never reaches a real position through causal attention).
+    Rows run in chunks of similar length, each cut after its last continuation token and holding
+    at most ``chunk_tokens`` padded tokens (or one row), so a batch with one long question does not
+    pad every row to it (SciQ contexts run to 256 tokens, the median is 30); the losses are summed
+    before the mean, so the value is the batch's, whatever the chunking. Where the model's forward
+    takes ``logits_to_keep`` (transformers causal LMs), the output head runs only at the positions
+    some row of the chunk predicts a continuation token from (right padding never reaches a real
+    position through causal attention).
     """
-    cols = torch.nonzero(mask.any(dim=0)).squeeze(1)
-    end = int(cols[-1]) + 1
-    ids, mask = ids[:, : end + 1], mask[:, :end]
-    if _takes_logits_to_keep(model):
-        logits = model(input_ids=ids[:, :-1], use_cache=False, logits_to_keep=cols).logits
-        mask, targets = mask[:, cols], ids[:, 1:][:, cols]
-    else:
-        logits = model(input_ids=ids[:, :-1], use_cache=False).logits
-        targets = ids[:, 1:]
-    return F.cross_entropy(logits[mask].float(), targets[mask])
+    lengths = torch.where(mask.any(dim=1), mask.shape[1] - mask.flip(1).int().argmax(dim=1), 0)
+    order = sorted(range(ids.shape[0]), key=lambda i: -int(lengths[i]))
+    chunks: list[list[int]] = []
+    for i in order:
+        if chunks and (len(chunks[-1]) + 1) * int(lengths[chunks[-1][0]]) <= chunk_tokens:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    total = torch.zeros(())
+    keep = _takes_logits_to_keep(model)
+    for rows in chunks:
+        end = int(lengths[rows[0]])
+        if end == 0:
+            continue
+        c_ids, c_mask = ids[rows, : end + 1], mask[rows, :end]
+        targets = c_ids[:, 1:]
+        if keep:
+            cols = torch.nonzero(c_mask.any(dim=0)).squeeze(1)
+            logits = model(input_ids=c_ids[:, :-1], use_cache=False, logits_to_keep=cols).logits
+            c_mask, targets = c_mask[:, cols], targets[:, cols]
+        else:
+            logits = model(input_ids=c_ids[:, :-1], use_cache=False).logits
+        total = total + F.cross_entropy(logits[c_mask].float(), targets[c_mask], reduction="sum")
+    return total / mask.sum().clamp_min(1)
 
 
 def _takes_logits_to_keep(model: nn.Module) -> bool:
@@ -207,16 +235,33 @@ def pool_model(target: nn.Module, variant: PoolVariant, *, layer_scores=None) ->
 # Setting (b) end to end
 
 
+def correctness_fingerprint(cfg: SelectConfig) -> str:
+    """What the correctness rows depend on (questions, models, scoring; not fine-tuning), as JSON:
+    rows computed under one fingerprint may be passed back to a run under the same."""
+    import json
+
+    from tasks.common.config import to_dict
+
+    st = to_dict(cfg.olmo_eval)
+    return json.dumps({"seed": cfg.seed, **{k: st[k] for k in ("tasks", "shots", "correct", "n_pool", "n_seed", "n_test",
+                                                               "target", "calib_windows", "model_ctx_len")}},
+                      sort_keys=True)
+
+
 def run_olmo_eval_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]], np.ndarray] | None = None,
-                          load_model: Callable | None = None, log: Callable[[str], None] = lambda s: None
-                          ) -> SettingResult:
+                          load_model: Callable | None = None, log: Callable[[str], None] = lambda s: None,
+                          correctness: dict[str, np.ndarray] | None = None) -> SettingResult:
     """DDCF in setting (b): the questions, the pool's correctness matrix on the seed set, the
     predictor, each selection, and the target fine-tuned on each and scored on the test split.
 
     ``embed`` maps question texts to (n, dim) embeddings (default :func:`question_embeddings`);
     ``load_model(spec) -> (model, tokenizer, meta)`` defaults to
-    :func:`tasks.common.models.load_causal_lm`. Metrics are keyed ``olmo_eval.<...>``, timings
-    (seconds) ``olmo_eval.seconds.<piece>``. Deterministic for a given config and thread count.
+    :func:`tasks.common.models.load_causal_lm`. ``correctness``: rows from an earlier run's
+    ``result.correctness`` under the same :func:`correctness_fingerprint` (keys ``pool:<tag>``,
+    ``target:seed``, ``target:test``, ``target:pool``), reused instead of scored again (scoring
+    the pool costs minutes on a CPU; a benchmark split over several runs passes them on). Metrics
+    are keyed ``olmo_eval.<...>``, timings (seconds) ``olmo_eval.seconds.<piece>``. Deterministic
+    for a given config and thread count.
     """
     from tasks.common.models import load_causal_lm
 
@@ -250,24 +295,33 @@ def run_olmo_eval_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]],
         return mc_correctness(model, tokenizer, items, st, splits.metric, model_ctx_len=model_ctx,
                               allow_skips=allow_skips)
 
+    cache = dict(correctness or {})
+
+    def cached(key: str, n: int, score: Callable[[], np.ndarray]) -> np.ndarray:
+        if key not in cache or len(cache[key]) != n:
+            cache[key] = score()
+        return cache[key]
+
     # The pool: variants of the target (layer scores computed once) and loaded models.
     layer_scores = None
-    if any((v := parse_pool_variant(t)) is not None and v.drop for t in st.pool):
+    if any((v := parse_pool_variant(t)) is not None and v.drop and f"pool:{t}" not in cache for t in st.pool):
         from tasks.compression.block_pruning import CosineDropConfig, angular_scores
 
         calib = calibration_tokens(tok, [question_text(it) for it in splits.pool])
         layer_scores = angular_scores(target, CosineDropConfig(calib_windows=st.calib_windows, seq_len=ctx_len),
                                       calib_tokens=calib)
-    rows_c: list[np.ndarray] = []
-    for tag in st.pool:
+
+    def score_pool_model(tag: str) -> np.ndarray:
         variant = parse_pool_variant(tag)
         if variant is None:
             model, mtok, mmeta = load_model(tag)
-            row = correct(model.eval(), splits.seed, mtok, int(mmeta.get("model_ctx_len") or ctx_len), allow_skips=True)
-        else:
-            model = pool_model(target, variant, layer_scores=layer_scores)
-            row = correct(model, splits.seed)
-        del model
+            return correct(model.eval(), splits.seed, mtok, int(mmeta.get("model_ctx_len") or ctx_len),
+                           allow_skips=True)
+        return correct(pool_model(target, variant, layer_scores=layer_scores), splits.seed)
+
+    rows_c: list[np.ndarray] = []
+    for tag in st.pool:
+        row = cached(f"pool:{tag}", len(splits.seed), lambda: score_pool_model(tag))
         rows_c.append(row)
         seen = row[row >= 0]
         log(f"pool {tag}: seed accuracy {seen.mean() if seen.size else float('nan'):.3f} "
@@ -275,13 +329,14 @@ def run_olmo_eval_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]],
     pool_matrix = np.stack(rows_c).astype(np.int8)
     names = [f"{name}:{t}" if parse_pool_variant(t) is not None else t for t in st.pool]
 
-    target_seed_row = correct(target, splits.seed)
-    base_acc = float(correct(target, splits.test).mean())
+    target_seed_row = cached("target:seed", len(splits.seed), lambda: correct(target, splits.seed))
+    base_acc = float(cached("target:test", len(splits.test), lambda: correct(target, splits.test)).mean())
     log(f"target: seed accuracy {target_seed_row.mean():.3f}, test accuracy {base_acc:.3f} "
         f"({lap('score_target'):.1f} s)")
     difficulty, auc = target_difficulty(pool_matrix, target_seed_row, emb_seed, emb_pool, cfg.predictor, 0)
     log(f"predictor: AUC {auc if auc is None else round(auc, 3)} on held-out cells ({lap('predictor'):.1f} s)")
-    truth_pool = correct(target, splits.pool) if st.score_target_pool else None
+    truth_pool = (cached("target:pool", len(splits.pool), lambda: correct(target, splits.pool))
+                  if st.score_target_pool else None)
     pool_auc = roc_auc(difficulty, truth_pool) if truth_pool is not None else None
     if truth_pool is not None:
         log(f"target on the pool: accuracy {truth_pool.mean():.3f}, predictor AUC there "
@@ -323,4 +378,4 @@ def run_olmo_eval_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]],
         seconds["finetune_each"] = seconds["finetune"] / n_finetunes
         seconds["score_test_each"] = seconds["score_test"] / n_finetunes
     metrics |= {f"{SETTING}.seconds.{k}": v for k, v in seconds.items()}
-    return SettingResult(rows=rows, metrics=metrics, matrix=pool_matrix, pool_models=names)
+    return SettingResult(rows=rows, metrics=metrics, matrix=pool_matrix, pool_models=names, correctness=cache)

@@ -90,7 +90,19 @@ def test_small_run_end_to_end(tiny):
     m = res.metrics
     assert m["olmo_eval.n_pool_models"] == 5 and m["olmo_eval.target.base_accuracy"] == by["base"]["accuracy"]
     assert m["olmo_eval.seconds.finetune_each"] > 0
-    again = run_olmo_eval_setting(cfg, embed=_embed)
+    assert set(res.correctness) == {f"pool:{t}" for t in st.pool} | {"target:seed", "target:test"}
+    # a second run given the first's correctness rows scores nothing again (the stranger is not even
+    # loaded) and fine-tunes to the same accuracies
+    from tasks.common.models import load_causal_lm
+
+    loaded = []
+
+    def load(spec):
+        loaded.append(spec)
+        return load_causal_lm(spec)
+
+    again = run_olmo_eval_setting(cfg, embed=_embed, load_model=load, correctness=res.correctness)
+    assert loaded == [str(target)]
     assert [r["accuracy"] for r in again.rows] == [r["accuracy"] for r in res.rows]
     assert np.array_equal(again.matrix, res.matrix)
 
@@ -132,7 +144,9 @@ def test_gold_rows_mark_the_gold_continuation(tiny):
     with torch.no_grad():
         got = continuation_loss(model, rows.ids, rows.target_mask)
         full = _answer_loss(model, rows.ids, rows.target_mask)
+        one_row_chunks = continuation_loss(model, rows.ids, rows.target_mask, chunk_tokens=1)
     assert float(got) == pytest.approx(expected, rel=1e-4)
+    assert float(one_row_chunks) == pytest.approx(float(got), rel=1e-5)
     assert float(got) == pytest.approx(float(full), rel=1e-5)
 
 
