@@ -361,12 +361,18 @@ def minhash_clusters(sig: np.ndarray, cfg: MinHashConfig, rank: np.ndarray | Non
     empty = np.all(sig == np.iinfo(sig.dtype).max, axis=1)
     pairs = _candidate_pairs(sig, cfg, empty)
     if cfg.threshold is not None and len(pairs):
-        est = np.empty(len(pairs))
-        for lo in range(0, len(pairs), 65_536):  # bounded (pairs × perms) comparisons
-            p = pairs[lo : lo + 65_536]
-            est[lo : lo + 65_536] = (sig[p[:, 0]] == sig[p[:, 1]]).mean(axis=1)
-        pairs = pairs[est >= cfg.threshold]
+        pairs = pairs[jaccard_estimates(sig, pairs) >= cfg.threshold]
     return clusters_from_pairs(pairs, n, rank)
+
+
+def jaccard_estimates(sig: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """(n_pairs,) estimated Jaccard of each pair of rows of ``sig`` (the fraction of equal
+    signature entries), compared 65,536 pairs at a time so the (pairs × perms) array stays bounded."""
+    est = np.empty(len(pairs))
+    for lo in range(0, len(pairs), 65_536):
+        p = pairs[lo : lo + 65_536]
+        est[lo : lo + 65_536] = (sig[p[:, 0]] == sig[p[:, 1]]).mean(axis=1)
+    return est
 
 
 def clusters_from_pairs(pairs: np.ndarray, n: int, rank: np.ndarray) -> np.ndarray:
@@ -418,12 +424,17 @@ def minhash_duplicates(texts: pl.Series, ids: pl.Series, cfg: MinHashConfig, *, 
     if index is None or index.minhash_ids is None or not len(index.minhash_ids):
         return _duplicate_of(ids, minhash_clusters(sig, cfg, id_rank(ids)))
     index.check_config(cfg)
-    m = len(index.minhash_ids)
-    all_ids = pl.concat([index.minhash_ids, ids])
-    # indexed documents rank before every new one, so they represent any cluster they are in
-    rank = np.concatenate([id_rank(index.minhash_ids), m + id_rank(ids)])
+    all_ids, rank = ids_after_index(index.minhash_ids, ids)
     rep = minhash_clusters(np.concatenate([index.minhash_sig.astype(sig.dtype), sig]), cfg, rank)
-    return _duplicate_of(all_ids, rep)[m:]
+    return _duplicate_of(all_ids, rep)[len(index.minhash_ids):]
+
+
+def ids_after_index(index_ids: pl.Series, ids: pl.Series) -> tuple[pl.Series, np.ndarray]:
+    """The indexed ids then this corpus's (Utf8), and their ranks: indexed documents rank before
+    every new one, so they represent any cluster they are in; within each part, the lowest id."""
+    m = len(index_ids)
+    return (pl.concat([index_ids.cast(pl.Utf8), ids.cast(pl.Utf8)]),
+            np.concatenate([id_rank(index_ids), m + id_rank(ids)]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -451,21 +451,36 @@ def finalize(kept: pl.DataFrame) -> pl.DataFrame:
 def curation_stats(docs_in: pl.DataFrame, kept: pl.DataFrame, dropped: pl.DataFrame,
                    *, token_count: TokenCount = whitespace_words, steps: list[dict] | None = None) -> dict:
     """Counts that reconcile: ``docs_in == docs_kept + docs_dropped`` (raises ``AssertionError`` if not)."""
-    n_in, n_kept, n_drop = docs_in.height, kept.height, dropped.height
+    by_reason = dict(sorted((r, int(c)) for r, c in dropped.group_by("reason").len().iter_rows()))
+    rewritten = int(kept["rewrite"].is_not_null().sum()) if "rewrite" in kept.columns else 0
+    return stats_from_counts(text_counts(docs_in["text"], token_count), text_counts(kept["text"], token_count),
+                             dropped_by_reason=by_reason, docs_rewritten=rewritten, steps=steps)
+
+
+def text_counts(texts: pl.Series, token_count: TokenCount = whitespace_words) -> dict[str, int]:
+    """``docs``, whitespace ``words`` and ``tokens`` of some texts; counts of parts add up."""
+    return {"docs": len(texts), "words": int(whitespace_words(texts).sum() or 0),
+            "tokens": int(token_count(texts).sum() or 0)}
+
+
+def stats_from_counts(counts_in: dict[str, int], counts_kept: dict[str, int], *, dropped_by_reason: dict[str, int],
+                      docs_rewritten: int, steps: list[dict] | None = None) -> dict:
+    """:func:`curation_stats` from :func:`text_counts` of the input and the kept documents (summed
+    over shards by a caller that never holds the corpus); raises ``AssertionError`` when the
+    documents in are not those kept plus those dropped."""
+    n_in, n_kept, n_drop = counts_in["docs"], counts_kept["docs"], sum(dropped_by_reason.values())
     if n_in != n_kept + n_drop:
         raise AssertionError(f"curation lost documents: {n_in} in != {n_kept} kept + {n_drop} dropped")
-    words = whitespace_words
-    by_reason = dict(sorted((r, int(c)) for r, c in dropped.group_by("reason").len().iter_rows()))
     return {
         "docs_in": n_in,
         "docs_kept": n_kept,
         "docs_dropped": n_drop,
-        "words_in": int(words(docs_in["text"]).sum() or 0),
-        "words_kept": int(words(kept["text"]).sum() or 0),
-        "tokens_in": int(token_count(docs_in["text"]).sum() or 0),
-        "tokens_kept": int(token_count(kept["text"]).sum() or 0),
-        "docs_rewritten": int(kept["rewrite"].is_not_null().sum()) if "rewrite" in kept.columns else 0,
-        "dropped_by_reason": by_reason,
+        "words_in": counts_in["words"],
+        "words_kept": counts_kept["words"],
+        "tokens_in": counts_in["tokens"],
+        "tokens_kept": counts_kept["tokens"],
+        "docs_rewritten": docs_rewritten,
+        "dropped_by_reason": dropped_by_reason,
         "steps": steps or [],
     }
 

@@ -55,6 +55,8 @@ from tasks.curation.dedup import (
     exact_digests,
     exact_duplicates_of_digests,
     id_rank,
+    ids_after_index,
+    jaccard_estimates,
     minhash_signatures,
 )
 from tasks.curation.prepare import _quarantine_rows
@@ -67,6 +69,8 @@ from tasks.curation.recipes import (
     _dropped,
     apply_step,
     finalize,
+    stats_from_counts,
+    text_counts,
     whitespace_words,
 )
 from tasks.curation.sources import (
@@ -162,10 +166,8 @@ def _gather(executor: Executor, fn: Callable[..., Any], calls: Sequence[tuple]) 
 
 
 def _text_stats(shard: str, token_count: TokenCount) -> dict:
-    """Worker: documents, whitespace words and tokens of one shard's texts."""
-    texts = pl.read_parquet(shard, columns=["text"])["text"]
-    return {"docs": len(texts), "words": int(whitespace_words(texts).sum() or 0),
-            "tokens": int(token_count(texts).sum() or 0)}
+    """Worker: :func:`~tasks.curation.recipes.text_counts` of one shard's texts."""
+    return text_counts(pl.read_parquet(shard, columns=["text"])["text"], token_count)
 
 
 def ingest_shards(input_paths: Sequence[str | Path], folder: Path, shard_docs: int,
@@ -350,18 +352,9 @@ def _minhash_duplicates_on_disk(files: Sequence[Path], cfg: MinHashConfig, work:
             a, b = np.searchsorted(involved, [m + offsets[i], m + offsets[i + 1]])
             if a < b:
                 rows[a:b] = _load_rows(work / f"sig-{i:05d}.npy", n, cfg.num_perm, dtype)[involved[a:b] - m - offsets[i]]
-        pos = np.searchsorted(involved, pairs)
-        est = np.empty(len(pairs))
-        for s in range(0, len(pairs), 65_536):  # as minhash_clusters: bounded (pairs × perms) comparisons
-            p = pos[s : s + 65_536]
-            est[s : s + 65_536] = (rows[p[:, 0]] == rows[p[:, 1]]).mean(axis=1)
-        pairs = pairs[est >= cfg.threshold]
+        pairs = pairs[jaccard_estimates(rows, np.searchsorted(involved, pairs)) >= cfg.threshold]
         del rows
-    if m:
-        all_ids = pl.concat([index.minhash_ids.cast(pl.Utf8), ids])
-        rank = np.concatenate([id_rank(index.minhash_ids), m + id_rank(ids)])
-    else:
-        all_ids, rank = ids, id_rank(ids)
+    all_ids, rank = ids_after_index(index.minhash_ids, ids) if m else (ids, id_rank(ids))
     rep = clusters_from_pairs(pairs, m + len(ids), rank)
     return ids, _duplicate_of(all_ids, rep)[m:]
 
@@ -392,26 +385,37 @@ def _write_arrow(path: Path, table: Any) -> None:
         pq.write_table(table, tmp, compression="zstd")
 
 
+def _tables_of(sources: Sequence[Path], schema: Any, rows: int):
+    """The rows of Parquet files ``sources``, in order, as Arrow tables of ``schema`` and ``rows``
+    rows each (the last shorter; none when there are no rows): one table's rows in memory at once."""
+    import pyarrow as pa
+
+    buf, buffered = [], 0
+    for batch in _record_batches(sources):
+        buf.append(pa.Table.from_batches([batch]).cast(schema))
+        buffered += batch.num_rows
+        while buffered >= rows:
+            whole = pa.concat_tables(buf)
+            yield whole.slice(0, rows)
+            buf, buffered = [whole.slice(rows)], whole.num_rows - rows
+    if buffered:
+        yield pa.concat_tables(buf)
+
+
 def _rechunk(sources: Sequence[Path], folder: Path, shard_docs: int) -> int:
     """Copy the rows of ``sources`` (in order) into ``folder/kept-<j>.parquet`` of ``shard_docs``
     rows each (at least one file, possibly empty), as the next segment's shards; streams Arrow
     batches, so at most one shard is held. Returns the number of files."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     schema = pq.read_schema(sources[0])
-    n_out, buf, buffered = 0, [], 0
-    for batch in _record_batches(sources):
-        buf.append(pa.Table.from_batches([batch]).cast(schema))
-        buffered += batch.num_rows
-        while buffered >= shard_docs:
-            whole = pa.concat_tables(buf)
-            _write_arrow(folder / f"kept-{n_out:05d}.parquet", whole.slice(0, shard_docs))
-            n_out += 1
-            buf, buffered = [whole.slice(shard_docs)], whole.num_rows - shard_docs
-    if buffered or n_out == 0:
-        _write_arrow(folder / f"kept-{n_out:05d}.parquet", pa.concat_tables(buf) if buf else schema.empty_table())
+    n_out = 0
+    for table in _tables_of(sources, schema, shard_docs):
+        _write_arrow(folder / f"kept-{n_out:05d}.parquet", table)
         n_out += 1
+    if n_out == 0:
+        _write_arrow(folder / "kept-00000.parquet", schema.empty_table())
+        n_out = 1
     return n_out
 
 
@@ -476,15 +480,12 @@ def _finalize_part(src: str, dst: str, token_count: TokenCount) -> dict:
     """Worker: one shard of the last segment as :data:`KEPT_SCHEMA`, and its text counters."""
     kept = finalize(pl.read_parquet(src))
     write_parquet(dst, kept)
-    return {"docs": kept.height, "words": int(whitespace_words(kept["text"]).sum() or 0),
-            "tokens": int(token_count(kept["text"]).sum() or 0),
-            "rewritten": int(kept["rewrite"].is_not_null().sum())}
+    return {**text_counts(kept["text"], token_count), "rewritten": int(kept["rewrite"].is_not_null().sum())}
 
 
 def _concat_parquet(sources: Sequence[Path], dest: Path, schema: dict) -> None:
-    """``sources`` (same columns) streamed into one file, rows in order, a row group per
-    ~16k rows; an empty list gives an empty file of ``schema``."""
-    import pyarrow as pa
+    """``sources`` (same columns) streamed into one file, rows in order, a row group per 16,384
+    rows; an empty list gives an empty file of ``schema``."""
     import pyarrow.parquet as pq
 
     if not sources:
@@ -492,15 +493,8 @@ def _concat_parquet(sources: Sequence[Path], dest: Path, schema: dict) -> None:
         return
     arrow_schema = pq.read_schema(sources[0])
     with atomic_path(dest) as tmp, pq.ParquetWriter(tmp, arrow_schema, compression="zstd") as writer:
-        buf, buffered = [], 0
-        for batch in _record_batches(sources):
-            buf.append(pa.Table.from_batches([batch]).cast(arrow_schema))
-            buffered += batch.num_rows
-            if buffered >= 16_384:
-                writer.write_table(pa.concat_tables(buf))
-                buf, buffered = [], 0
-        if buf:
-            writer.write_table(pa.concat_tables(buf))
+        for table in _tables_of(sources, arrow_schema, 16_384):
+            writer.write_table(table)
 
 
 def _count_by(sources: Sequence[Path], column: str) -> tuple[int, dict[str, int]]:
@@ -638,33 +632,18 @@ def curate_corpus(
         if own_pool is not None:
             own_pool.shutdown()
 
-    n_in, n_kept = _sum(in_counts, "docs"), _sum(out_counts, "docs")
-    n_drop, by_reason = _count_by(dropped_files, "reason")
-    if n_in != n_kept + n_drop:
-        raise AssertionError(f"curation lost documents: {n_in} in != {n_kept} kept + {n_drop} dropped")
+    _, by_reason = _count_by(dropped_files, "reason")
     n_quarantined, quarantined_by_reason = _count_by(quarantine_files, "reason")
     records_read = ingested["records_read"]
-    stats = {
-        "docs_in": n_in,
-        "docs_kept": n_kept,
-        "docs_dropped": n_drop,
-        "words_in": _sum(in_counts, "words"),
-        "words_kept": _sum(out_counts, "words"),
-        "tokens_in": _sum(in_counts, "tokens"),
-        "tokens_kept": _sum(out_counts, "tokens"),
-        "docs_rewritten": _sum(out_counts, "rewritten"),
-        "dropped_by_reason": by_reason,
-        "steps": step_infos,
-        "records_read": records_read,
-        "quarantined": n_quarantined,
-        "quarantined_by_reason": quarantined_by_reason,
-        "recipe": to_dict(recipe),
-        "shard_docs": shard_docs,
-    }
+    counts_in, counts_kept = ({k: _sum(c, k) for k in ("docs", "words", "tokens")} for c in (in_counts, out_counts))
+    stats = stats_from_counts(counts_in, counts_kept, dropped_by_reason=by_reason,
+                              docs_rewritten=_sum(out_counts, "rewritten"), steps=step_infos)
+    stats.update(records_read=records_read, quarantined=n_quarantined, quarantined_by_reason=quarantined_by_reason,
+                 recipe=to_dict(recipe), shard_docs=shard_docs)
     if index_stats is not None:
         stats["dedup_index"] = index_stats
-    if records_read != n_in + n_quarantined:
-        raise AssertionError(f"records read {records_read} != docs {n_in} + quarantined {n_quarantined}")
+    if records_read != stats["docs_in"] + n_quarantined:
+        raise AssertionError(f"records read {records_read} != docs {stats['docs_in']} + quarantined {n_quarantined}")
     _concat_parquet(finals, out / "kept.parquet", KEPT_SCHEMA)
     _concat_parquet(dropped_files, out / "dropped.parquet", DROPPED_SCHEMA)
     _concat_parquet(quarantine_files, out / "quarantine.parquet", QUARANTINE_SCHEMA)
