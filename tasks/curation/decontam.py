@@ -178,6 +178,19 @@ class ValDecontaminator:
         reasons = pl.Series("reason", [REASON if d else None for d in drop.tolist()], dtype=pl.Utf8)
         return FilterResult(reasons=reasons)
 
+    def val_found(self, train_texts: pl.Series) -> np.ndarray:
+        """Which validation n-gram occurrences occur in ``train_texts``: ``(len(val_ngrams),)`` bool.
+
+        Found-masks of parts of a corpus combine by ``|`` into the mask of the whole (the
+        sharded engine decontaminates shard by shard)."""
+        hashes, _doc, _n = word_ngram_hashes(train_texts, self.cfg.ngram, word_cache=self._words)
+        return _isin(self.val_ngrams, hashes)
+
+    def share_of(self, found: np.ndarray) -> float:
+        """The share of validation n-gram occurrences a :meth:`val_found` mask marks; NaN when
+        validation has no n-grams."""
+        return float(found.mean()) if len(self.val_ngrams) else float("nan")
+
     def val_share(self, train_texts: pl.Series) -> float:
         """Share of validation n-gram occurrences (with multiplicity) found anywhere in ``train_texts``.
 
@@ -187,5 +200,9 @@ class ValDecontaminator:
         """
         if len(self.val_ngrams) == 0:
             return float("nan")
-        hashes, _doc, _n = word_ngram_hashes(train_texts, self.cfg.ngram, word_cache=self._words)
-        return float(_isin(self.val_ngrams, hashes).mean())
+        return self.share_of(self.val_found(train_texts))
+
+    def __getstate__(self) -> dict:
+        # The word-hash cache grows with every text judged; a worker process rebuilds its own
+        # rather than receiving the main process's with every shard.
+        return {**self.__dict__, "_words": {}}

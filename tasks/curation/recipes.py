@@ -485,18 +485,33 @@ def stats_from_counts(counts_in: dict[str, int], counts_kept: dict[str, int], *,
     }
 
 
-def decontaminate_step(kept: pl.DataFrame, deco: ValDecontaminator) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
-    """Split a finished variant into (kept, dropped as ``val_contamination``, step info)."""
+def decontaminate_part(kept: pl.DataFrame, deco: ValDecontaminator
+                       ) -> tuple[pl.DataFrame, pl.DataFrame, np.ndarray, np.ndarray]:
+    """Split finished documents (a variant, or one shard of it) into kept and dropped as
+    ``val_contamination``, with the validation n-grams found in them before and after
+    (:meth:`~tasks.curation.decontam.ValDecontaminator.val_found`; parts combine by ``|``)."""
     reasons = deco(kept["text"]).reasons
     drop = reasons.is_not_null()
-    info = {
-        "kind": "val_decontamination", "docs_in": kept.height, "docs_out": int((~drop).sum()),
-        "ngram": deco.cfg.ngram, "threshold": deco.cfg.threshold,
-        "val_ngram_share_before": deco.val_share(kept["text"]),
-    }
     out = kept.filter(~drop)
-    info["val_ngram_share_after"] = deco.val_share(out["text"])
-    return out, _dropped(kept.filter(drop), reasons.filter(drop)), info
+    return (out, _dropped(kept.filter(drop), reasons.filter(drop)),
+            deco.val_found(kept["text"]), deco.val_found(out["text"]))
+
+
+def decontamination_info(deco: ValDecontaminator, docs_in: int, docs_out: int, found_before: np.ndarray,
+                         found_after: np.ndarray) -> dict:
+    """The ``val_decontamination`` step's stats from counts and found-masks of the whole variant."""
+    return {
+        "kind": "val_decontamination", "docs_in": docs_in, "docs_out": docs_out,
+        "ngram": deco.cfg.ngram, "threshold": deco.cfg.threshold,
+        "val_ngram_share_before": deco.share_of(found_before),
+        "val_ngram_share_after": deco.share_of(found_after),
+    }
+
+
+def decontaminate_step(kept: pl.DataFrame, deco: ValDecontaminator) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+    """Split a finished variant into (kept, dropped as ``val_contamination``, step info)."""
+    out, dropped, before, after = decontaminate_part(kept, deco)
+    return out, dropped, decontamination_info(deco, kept.height, out.height, before, after)
 
 
 def run_recipe(

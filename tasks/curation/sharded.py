@@ -59,15 +59,19 @@ from tasks.curation.dedup import (
     jaccard_estimates,
     minhash_signatures,
 )
+from tasks.curation.decontam import ValDecontaminator
 from tasks.curation.prepare import _quarantine_rows
 from tasks.curation.recipes import (
     DROPPED_SCHEMA,
     KEPT_SCHEMA,
+    FilterCache,
     Recipe,
     TokenCount,
     _as_working,
     _dropped,
     apply_step,
+    decontaminate_part,
+    decontamination_info,
     finalize,
     stats_from_counts,
     text_counts,
@@ -256,11 +260,12 @@ def _write_part(folder: Path, kept: pl.DataFrame, dropped: pl.DataFrame, info: l
     write_text(folder / MARKER, "ok\n")  # written last: its presence means the part is complete
 
 
-def _run_local_shard(shard: str, steps: tuple, folder: str, token_count: TokenCount) -> int:
+def _run_local_shard(shard: str, steps: tuple, folder: str, token_count: TokenCount,
+                     filter_cache: FilterCache | None = None) -> int:
     """Worker: read one shard file, apply per-document steps and write its part. Returns the rows kept."""
     kept, dropped, infos = pl.read_parquet(shard), [], []
     for s in steps:
-        kept, d, info = apply_step(kept, s, token_count=token_count)
+        kept, d, info = apply_step(kept, s, token_count=token_count, filter_cache=filter_cache)
         dropped.append(d)
         infos.append(info)
     _write_part(Path(folder), kept, pl.concat(dropped) if dropped else pl.DataFrame(schema=DROPPED_SCHEMA), infos)
@@ -476,11 +481,32 @@ def _run_global_step(s: Any, files: Sequence[Path], folder: Path, *, shard_docs:
 # ---------------------------------------------------------------- final outputs
 
 
-def _finalize_part(src: str, dst: str, token_count: TokenCount) -> dict:
-    """Worker: one shard of the last segment as :data:`KEPT_SCHEMA`, and its text counters."""
+def _finalize_part(src: str, dst: str, token_count: TokenCount, decontaminate: ValDecontaminator | None = None,
+                   dropped_dst: str | None = None) -> dict:
+    """Worker: one shard of the last segment as :data:`KEPT_SCHEMA`, and its text counters.
+
+    With ``decontaminate``, the shard's documents repeating validation text are written to
+    ``dropped_dst`` instead, and ``finalized`` (documents before it) and the validation n-grams
+    found before and after (``found_before``/``found_after``, bit-packed) come back too."""
     kept = finalize(pl.read_parquet(src))
+    extra: dict[str, Any] = {}
+    if decontaminate is not None:
+        extra["finalized"] = kept.height
+        kept, dropped, before, after = decontaminate_part(kept, decontaminate)
+        write_parquet(dropped_dst, dropped)
+        extra.update(found_before=np.packbits(before), found_after=np.packbits(after))
     write_parquet(dst, kept)
-    return {**text_counts(kept["text"], token_count), "rewritten": int(kept["rewrite"].is_not_null().sum())}
+    return {**text_counts(kept["text"], token_count), "rewritten": int(kept["rewrite"].is_not_null().sum()), **extra}
+
+
+def _decontamination_info(deco: ValDecontaminator, parts: Sequence[dict]) -> dict:
+    """The ``val_decontamination`` step of the whole corpus from its shards' :func:`_finalize_part`."""
+    n = len(deco.val_ngrams)
+    before, after = np.zeros(n, bool), np.zeros(n, bool)
+    for p in parts:
+        before |= np.unpackbits(p["found_before"], count=n).astype(bool)
+        after |= np.unpackbits(p["found_after"], count=n).astype(bool)
+    return decontamination_info(deco, _sum(parts, "finalized"), _sum(parts, "docs"), before, after)
 
 
 def _concat_parquet(sources: Sequence[Path], dest: Path, schema: dict) -> None:
@@ -519,6 +545,8 @@ def curate_corpus(
     rewriter: Callable[[pl.DataFrame, str, int | None], pl.DataFrame] | None = None,
     token_count: TokenCount = whitespace_words,
     index: DedupIndex | None = None,
+    decontaminate: ValDecontaminator | None = None,
+    filter_cache: FilterCache | None = None,
 ) -> dict:
     """Curate files into ``out_dir/{kept,dropped,quarantine}.parquet`` and ``stats.json``; return the stats.
 
@@ -533,6 +561,14 @@ def curate_corpus(
     the resume key, and ``stats.json`` records it (``dedup_index``). Ids already in the index are
     refused before anything is written: this corpus, or part of it, was added already, and
     deduplicating it against itself would drop those documents as copies of themselves.
+
+    ``decontaminate`` (built from a validation split) runs last, shard by shard on the final
+    texts, as :func:`~tasks.curation.recipes.run_recipe` runs it: a ``val_decontamination`` step
+    whose dropped documents come after the recipe's. It is not part of the resume key: the final
+    shards are made again by every run. ``filter_cache`` (a
+    :class:`~tasks.curation.recipes.FilterCache` shared by the recipes of one run) is used when
+    the steps run in this process (``n_workers=1`` or a :class:`SerialExecutor`); a worker would
+    receive a copy with every shard, so none is sent. Neither changes the result.
     """
     require(n_workers > 0, "n_workers", "must be positive")
     require(shard_docs > 0, "shard_docs", "must be positive")
@@ -550,6 +586,7 @@ def curate_corpus(
         else:
             own_pool = ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn"))
             executor = own_pool
+    shard_cache = filter_cache if isinstance(executor, SerialExecutor) else None  # not copied to workers
     computed = reused = 0
     try:
         if staging.exists():
@@ -607,7 +644,8 @@ def curate_corpus(
                 if (folder / MARKER).exists():
                     reused += 1
                     continue
-                futures.append(executor.submit(_run_local_shard, str(shard), steps, str(folder), token_count))
+                futures.append(executor.submit(_run_local_shard, str(shard), steps, str(folder), token_count,
+                                               shard_cache))
             errors = []
             for fut in futures:
                 try:
@@ -627,7 +665,13 @@ def curate_corpus(
             shutil.rmtree(final)
         final.mkdir()
         finals = [final / f"kept-{i:05d}.parquet" for i in range(len(files))]
-        out_counts = _gather(executor, _finalize_part, [(str(f), str(d), token_count) for f, d in zip(files, finals)])
+        deco_dropped = [final / f"dropped-{i:05d}.parquet" for i in range(len(files))] if decontaminate else []
+        out_counts = _gather(executor, _finalize_part, [(str(f), str(d), token_count, decontaminate,
+                                                         str(deco_dropped[i]) if decontaminate else None)
+                                                        for i, (f, d) in enumerate(zip(files, finals))])
+        if decontaminate is not None:
+            step_infos.append(_decontamination_info(decontaminate, out_counts))
+            dropped_files += deco_dropped
     finally:
         if own_pool is not None:
             own_pool.shutdown()

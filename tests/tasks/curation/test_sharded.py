@@ -78,11 +78,11 @@ def test_crash_then_resume_redoes_only_unfinished_shards(tmp_path, monkeypatch):
     real = sharded._run_local_shard
     calls = []
 
-    def crash_after_three(shard, steps, folder, token_count):
+    def crash_after_three(shard, steps, folder, *rest):
         calls.append(folder)
         if len(calls) > 3:
             raise RuntimeError("worker killed")
-        return real(shard, steps, folder, token_count)
+        return real(shard, steps, folder, *rest)
 
     monkeypatch.setattr(sharded, "_run_local_shard", crash_after_three)
     crashed = tmp_path / "crashed"
@@ -223,3 +223,37 @@ def test_main_process_holds_at_most_two_shards_of_documents(tmp_path, monkeypatc
     # the same watch sees the whole corpus when it is read in one piece
     read_inputs(inputs)
     assert largest[0] >= stats["docs_in"]
+
+
+@pytest.mark.parametrize("n_workers", [1, 2], ids=["serial", "pool"])
+def test_decontamination_and_filter_cache_equal_the_in_memory_recipe(tmp_path, n_workers):
+    """Validation decontamination run shard by shard on the final texts drops what
+    ``run_recipe(decontaminate=...)`` drops, after the recipe's drops, with the same validation
+    n-gram shares (found-masks of shards combined, not shares averaged); a filter cache shared
+    by two recipes changes nothing."""
+    from tasks.curation.decontam import DecontaminationConfig, ValDecontaminator
+    from tasks.curation.recipes import FilterCache
+
+    inputs = write_near_duplicate_corpus(tmp_path)
+    docs, _ = read_inputs(inputs)
+    docs, _ = drop_duplicate_ids(docs)
+    by_id = dict(zip(docs["id"], docs["text"]))
+    words = by_id["m040"].split()
+    # two whole copies in different shards (share 1: dropped) and half of one document (share 0.44: kept)
+    val = pl.Series([by_id["m003"], by_id["m030"], " ".join(words[:60] + ["unrelated"] * 60), "a short one"])
+    deco = ValDecontaminator.from_val(val, DecontaminationConfig(ngram=13, threshold=0.5))
+    cache = FilterCache()
+    for recipe in (Recipe(steps=NEAR_RECIPE.steps[:3]), Recipe(steps=(step("gopher_repetition"),))):
+        out = tmp_path / f"out-{len(recipe.steps)}"
+        stats = curate_corpus(inputs, out, recipe, shard_docs=8, n_workers=n_workers, decontaminate=deco,
+                              filter_cache=cache)
+        ref = run_recipe(docs, recipe, decontaminate=deco)
+        got = read_outputs(out)
+        assert got["kept.parquet"].equals(ref.kept)
+        assert got["dropped.parquet"].equals(ref.dropped)
+        assert set(got["dropped.parquet"].filter(pl.col("reason") == "val_contamination")["id"]) >= {"m003", "m030"}
+        deco_step = stats["steps"][-1]
+        assert deco_step["kind"] == "val_decontamination"
+        assert 0 < deco_step["val_ngram_share_after"] < deco_step["val_ngram_share_before"] < 1
+        for key in ("docs_in", "docs_kept", "docs_dropped", "tokens_kept", "dropped_by_reason", "steps"):
+            assert stats[key] == ref.stats[key], key
