@@ -23,6 +23,7 @@ position counts) and returns the mean over counted positions of a per-position l
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -210,12 +211,14 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 @dataclass
 class RecoveryCurve:
     """``losses[k]``: the distillation loss of step ``k``'s batch before its update; ``tokens``:
-    tokens the student was trained on; ``seconds``: wall time of the loop."""
+    tokens the student was trained on; ``seconds``: wall time of the loop, evaluations included.
+    ``evals``: ``(step, tokens trained on, score)`` where :func:`recover` was given ``evaluate``."""
 
     loss: str
     losses: list[float] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
+    evals: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 def token_windows(tokens: np.ndarray | torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -232,17 +235,26 @@ def token_windows(tokens: np.ndarray | torch.Tensor, seq_len: int) -> torch.Tens
     return windows
 
 
-def recover(student: nn.Module, teacher: nn.Module, tokens: np.ndarray | torch.Tensor, cfg: DistillConfig) -> RecoveryCurve:
+def recover(student: nn.Module, teacher: nn.Module, tokens: np.ndarray | torch.Tensor, cfg: DistillConfig, *,
+            evaluate: Callable[[nn.Module], float] | None = None, every: int = 0,
+            initial: float | None = None) -> RecoveryCurve:
     """Train ``student`` in place for ``cfg.steps`` AdamW steps to match ``teacher``'s logits on ``tokens``.
 
     ``tokens``: (n, T) windows or a 1-D stream (cut into ``cfg.seq_len`` windows). Every position's
     next-token distribution is distilled (mask of ones). The teacher runs without gradient; the
     student's train/eval mode is restored afterwards. Both models must share the vocabulary.
 
+    The recovery curve: with ``evaluate`` (e.g. validation perplexity; it must leave the student's
+    weights alone), ``curve.evals`` gets ``evaluate(student)`` before the first step (``initial``
+    instead, when the caller already has that score), after every ``every``-th step (0 = none
+    between) and after the last. The training itself is the same with or without it.
+
     >>> curve = recover(pruned.model, model, train_windows, DistillConfig(loss="csd", steps=10))  # doctest: +SKIP
     >>> curve.losses[0] > curve.losses[-1]                                                         # doctest: +SKIP
     True
     """
+    if every < 0:
+        raise ValueError(f"every: must be >= 0 (0 = only before the first and after the last step), got {every}")
     windows = token_windows(tokens, cfg.seq_len)
     device = next(student.parameters()).device
     params = [p for p in student.parameters() if p.requires_grad]
@@ -256,8 +268,10 @@ def recover(student: nn.Module, teacher: nn.Module, tokens: np.ndarray | torch.T
     teacher.eval()
     student.train()
     start = time.perf_counter()
+    if evaluate is not None:
+        curve.evals.append((0, 0, float(evaluate(student) if initial is None else initial)))
     try:
-        for _ in range(cfg.steps):
+        for step in range(1, cfg.steps + 1):
             if len(order) < min(cfg.batch_size, len(windows)):
                 order = torch.cat([order, torch.randperm(len(windows), generator=gen)])
             idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
@@ -273,6 +287,9 @@ def recover(student: nn.Module, teacher: nn.Module, tokens: np.ndarray | torch.T
             opt.step()
             curve.losses.append(float(loss.detach()))
             curve.tokens += x.numel()
+            if evaluate is not None and (step == cfg.steps or (every and step % every == 0)):
+                curve.evals.append((step, curve.tokens, float(evaluate(student))))
+                student.train()
     finally:
         student.train(was_training)
     curve.seconds = time.perf_counter() - start

@@ -170,3 +170,23 @@ def test_recover_is_deterministic_and_takes_a_token_stream(teacher, windows):
     assert curve_windows.losses == curve_stream.losses
     with pytest.raises(ValueError, match="^tokens: no window"):
         recover(a, teacher, windows.flatten()[:1], cfg)
+
+
+def test_recover_curve_evaluates_at_the_ends_and_every_n_steps_without_changing_the_training(teacher, windows):
+    cfg = DistillConfig(loss="kl", steps=5, lr=1e-3, batch_size=2, seq_len=32)
+    held_out = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(3))
+    a, b = copy.deepcopy(teacher), copy.deepcopy(teacher)
+    remove_blocks(a, [1], "layer")
+    remove_blocks(b, [1], "layer")
+    score = lambda m: held_out_loss(m, teacher, held_out, cfg)  # noqa: E731
+    start = score(a)
+    plain = recover(a, teacher, windows, cfg)
+    traced = recover(b, teacher, windows, cfg, evaluate=score, every=2)
+    assert [s for s, _, _ in traced.evals] == [0, 2, 4, 5]
+    assert [t for _, t, _ in traced.evals] == [0, 2 * 64, 4 * 64, 5 * 64]
+    assert traced.evals[0][2] == start and traced.evals[-1][2] == score(b)
+    assert plain.evals == [] and plain.losses == traced.losses  # evaluating between steps changes no update
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert recover(copy.deepcopy(b), teacher, windows, cfg, evaluate=score, initial=1.5).evals[0] == (0, 0, 1.5)
+    with pytest.raises(ValueError, match="^every"):
+        recover(b, teacher, windows, cfg, evaluate=score, every=-1)
