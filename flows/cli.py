@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--batch-size", type=int, default=4)
     di.add_argument("--tokens", type=int, default=16384, help="training tokens cut into candidate windows")
     di.add_argument("--train-embeddings", action="store_true")
+    di.add_argument("--curve-every", type=int, default=5, help="validation perplexity every N steps as well as "
+                    "before the first and after the last (scalelab.json `curve`); 0 = those two only")
     di.add_argument("--out", required=True, type=Path)
     _text_args(di, calib=None)
     _common(di)

@@ -1,9 +1,10 @@
 """Stage 5, evaluate: OLMo's downstream task suite on every model the pipeline makes, and task laws.
 
 Run: ``scalelab run evaluate [--preset ci]``. Scores, on the first ``limit`` items of each task of
-params/evaluate.yaml: every trained ladder model, the compress stage's artifacts, the sparse settings
-applied in process, and (when enabled) SmolLM2-135M with variants of it compressed or sparsified in
-process. Writes ``reports/downstream.csv`` (one row per model and task, Wilson intervals),
+params/evaluate.yaml: every trained ladder model, the compress stage's artifacts, the pruned and
+recovered models the prune stage kept (``models/pruned/``, listed in reports/pruning.csv), the
+sparse settings applied in process, and (when enabled) SmolLM2-135M with variants of it compressed
+or sparsified in process. Writes ``reports/downstream.csv`` (one row per model and task, Wilson intervals),
 ``reports/downstream_comparisons.csv`` (each variant against its own base, paired over items),
 ``reports/downstream/items.parquet`` (per item and choice log-likelihoods),
 ``reports/downstream/correctness_<task>.parquet`` (models x items, 0/1), ``reports/task_laws.json``
@@ -83,9 +84,9 @@ def logged_model_key(info: dict[str, Any]) -> str | None:
 
 
 def evaluate_ladder_model(model_row: dict, artifacts: list[dict], with_sparse: bool, cfg: EvaluateConfig,
-                          requests: dict[str, TaskRequests], train_path: str, parent: RunRef
-                          ) -> tuple[list[dict], list[dict]]:
-    """One trained model, its compressed artifacts and its sparse settings."""
+                          requests: dict[str, TaskRequests], train_path: str, parent: RunRef,
+                          pruned: list[dict] = ()) -> tuple[list[dict], list[dict]]:
+    """One trained model, its compressed artifacts, its pruned models and its sparse settings."""
     from tasks.common.models import load_causal_lm
     from tasks.sparse.registry import sparsify
     from tasks.training.loop import set_process_threads
@@ -106,6 +107,10 @@ def evaluate_ladder_model(model_row: dict, artifacts: list[dict], with_sparse: b
         summary += s
         items += i
         del cmodel
+    for p in pruned:
+        s, i = score_pruned(p, base, tok, cfg, requests, cfg.limit, parent)
+        summary += s
+        items += i
     settings = cfg.sparse_settings() if with_sparse else {}
     calib = None
     if settings and cfg.calib_tokens and Path(train_path).exists():
@@ -121,11 +126,25 @@ def evaluate_ladder_model(model_row: dict, artifacts: list[dict], with_sparse: b
     return summary, items
 
 
+def score_pruned(pruned: dict, base: dict[str, Any], tok, cfg: EvaluateConfig, requests: dict[str, TaskRequests],
+                 limit: int, parent: RunRef) -> tuple[list[dict], list[dict]]:
+    """One model the prune stage kept (a row of :func:`pruned_models`), named ``<base>:<row>`` so
+    it is compared with ``base``; its own parameter count, the base's context length and tokenizer
+    (the vocabulary is the base's, and the paired comparison needs the same token sequences)."""
+    from tasks.common.models import load_causal_lm
+
+    model, _, _ = load_causal_lm(pruned["path"])
+    info = base | {"model": f"{base['model']}:{pruned['setting']}", "method": pruned["method"],
+                   "setting": pruned["setting"], "n_params": pruned["n_params"]}
+    return score_model(model, tok, info, cfg, requests, limit, parent)
+
+
 def evaluate_smollm2(cfg: EvaluateConfig, requests: dict[str, TaskRequests], val_path: str, parent: RunRef,
-                     artifacts: list[dict] = ()) -> tuple[list[dict], list[dict]]:
+                     artifacts: list[dict] = (), pruned: list[dict] = ()) -> tuple[list[dict], list[dict]]:
     """SmolLM2-135M and its variants: the compress stage's artifacts of it (``compression.pretrained``,
-    the full preset), then those of ``evaluate.smollm2`` made here in process with the same registries
-    (sparse_eval only sees the ladder)."""
+    the full preset), the prune stage's kept models of it (``pruning.save.pretrained``), then those
+    of ``evaluate.smollm2`` made here in process with the same registries (sparse_eval only sees
+    the ladder)."""
     from tasks.common.models import load_causal_lm
     from tasks.compression.registry import compress, load_compressed_model, parse_settings
     from tasks.sparse.registry import SPARSIFIERS, sparsify
@@ -147,6 +166,10 @@ def evaluate_smollm2(cfg: EvaluateConfig, requests: dict[str, TaskRequests], val
         summary += s
         items += i
         del qmodel
+    for p in pruned:
+        s, i = score_pruned(p, base, tok, cfg, requests, sc.limit, parent)
+        summary += s
+        items += i
     sparse = SPARSIFIERS.parse_settings(sc.sparse, prefix="evaluate.smollm2.sparse") if sc.sparse else {}
     calib = (_smollm2_calib(tok, val_path, cfg.calib_tokens) if (sparse or sc.compression) and cfg.calib_tokens
              else None)
@@ -202,6 +225,27 @@ def compressed_artifacts(ctx: Context, variant: str, run: str | None, model: str
         if path.exists():
             out.append({"path": str(path), "setting": r["setting"], "method": r["method"],
                         "bits": r.get("bits"), "options": {"bits": int(width)} if width else {}})
+    return out
+
+
+def pruned_models(ctx: Context, variant: str, run: str | None, model: str | None = None) -> list[dict]:
+    """The prune stage's kept models of one trained run (or, with ``variant="pretrained"``, of the
+    pretrained ``model``): rows of reports/pruning.csv with a ``model_path`` that exists, as
+    ``{"path", "setting" (the row's name: <setting> or <setting>+<loss>+<select>), "method", "n_params"}``."""
+    table = ctx.layout.reports / "pruning.csv"
+    if not table.exists():
+        return []
+    frame = pl.read_csv(table, infer_schema_length=None)
+    if "model_path" not in frame.columns:  # written before the prune stage kept models
+        return []
+    key = (pl.col("run") == run) if run is not None else (pl.col("model") == model)
+    out = []
+    for r in frame.filter((pl.col("variant") == variant) & key & pl.col("model_path").is_not_null()).to_dicts():
+        path = ctx.workdir / r["model_path"]
+        if path.exists():
+            recovered = r["recovery_loss"] not in (None, "none")
+            name = f"{r['setting']}+{r['recovery_loss']}+{r['data_select']}" if recovered else r["setting"]
+            out.append({"path": str(path), "setting": name, "method": r["method"], "n_params": r["params"]})
     return out
 
 
@@ -269,16 +313,19 @@ def evaluate_flow(
             from flows.compress import PRETRAINED
 
             made = compressed_artifacts(ctx, "pretrained", None, PRETRAINED["smollm2"]) if cfg.compressed else []
+            pruned = pruned_models(ctx, "pretrained", None, PRETRAINED["smollm2"]) if cfg.pruned else []
             jobs.append(dict(kind="smollm2", job=dict(cfg=cfg, requests=requests, artifacts=made, parent=run.ref(),
-                                                      val_path=str(ctx.layout.prepared / "val.parquet"))))
+                                                      val_path=str(ctx.layout.prepared / "val.parquet"), pruned=pruned)))
         data, model_ids = model_datasets(ctx, models), find_models(ctx.tracking_uri, ctx.experiment)
         for m in models:
             m |= {"data": data[m["variant"]], "model_ids": model_ids}
             key = f"{m['variant']}/{m['run']}"
             artifacts = compressed_artifacts(ctx, m["variant"], m["run"]) if cfg.compressed and key in chosen else []
+            # which pruned models to score is pruning.save's choice, not variant_top's
+            pruned = pruned_models(ctx, m["variant"], m["run"]) if cfg.pruned else []
             jobs.append(dict(kind="ladder", job=dict(model_row=m, artifacts=artifacts, with_sparse=key in chosen, cfg=cfg,
                                                      requests=requests, train_path=str(tokens_path(ctx, m)),
-                                                     parent=run.ref())))
+                                                     parent=run.ref(), pruned=pruned)))
         results = map_tasks(ctx.pipeline, evaluate_job, jobs)
         summary = [r for s, _ in results for r in s]
         items = pl.DataFrame([r for _, i in results for r in i], infer_schema_length=None)

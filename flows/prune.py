@@ -7,7 +7,11 @@ on the validation split, then recover it by distillation from the unpruned model
 ``pruning.recovery.losses`` (CSD, forward KL, DLD) on the same training windows and score each; the
 windows are a ``budget`` share of the candidates chosen at random or by PASER (``data_select``).
 Writes ``reports/pruning.csv`` (model, variant, method, removed_fraction, recovery_loss, data_select,
-recovery_tokens, ppl, params, flops_per_token, ...); one MLflow run per (model, row).
+recovery_tokens, ppl, params, flops_per_token, model_path, ...); one MLflow run per (model, row).
+Each recovery run's perplexity curve (``recovery.curve_every``) goes to
+``reports/pruning_recovery.csv`` (..., step, recovery_tokens, ppl), to its MLflow run as the step
+metric ``curve_ppl`` and to ``reports/pruning/recovery.png``. The models ``pruning.save`` names are
+kept as ``from_pretrained`` folders in ``models/pruned/<variant>/<run>/<row>/`` for the evaluate stage.
 """
 
 from __future__ import annotations
@@ -24,22 +28,50 @@ from flows.compress import PRETRAINED, check_overlap, calib_eval_overlap, text_t
 from flows.evaluate_models import tokens_path, trained_models, val_tokens_path
 from flows.runtime import map_tasks
 from flows.stage import stage_context, stage_run, write_table
+from tasks.common.io import atomic_dir
 from tasks.common.tracking import RunRef, tracked_run
-from tasks.compression.pruning import PruningConfig, RecoveryConfig, largest_per_variant, prune_rows
+from tasks.compression.pruning import (
+    PruneTables, PruningConfig, RecoveryConfig, SaveConfig, largest_per_variant, plot_recovery_curves, prune_rows,
+)
 from tasks.training.loop import load_model, set_process_threads
 from tasks.training.tokenizer import load_tokens
 
 
 def _logger(parent: RunRef, model_name: str):
-    """``log(setting, params, metrics)``: one MLflow child run per row of the table."""
+    """``log(setting, params, metrics, curve)``: one MLflow child run per row of the table, the
+    recovery curve as step metrics (``curve_ppl``, ``curve_recovery_tokens`` at each recovery step)."""
 
-    def log(setting: str, params: dict[str, Any], metrics: dict[str, Any]) -> None:
+    def log(setting: str, params: dict[str, Any], metrics: dict[str, Any], curve: list[dict[str, Any]]) -> None:
         with tracked_run(f"prune:{model_name}:{setting}", uri=parent.uri, experiment=parent.experiment, parent=parent,
                          params=params | {"stage": "prune", "model": model_name, "setting": setting},
                          tags={"scalelab.stage": "prune"}) as run:
             run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+            for point in curve:
+                run.log_metrics({"curve_ppl": point["ppl"], "curve_recovery_tokens": point["recovery_tokens"]},
+                                step=point["step"])
 
     return log
+
+
+def _saver(cfg: SaveConfig, tok: Any, out_dir: str | None, final_dir: str | None, workdir: str, record: dict[str, Any]):
+    """``save(name, model)`` for :func:`prune_rows`: the rows ``cfg`` keeps, written to ``out_dir/<name>``
+    as ``from_pretrained`` folders with the tokenizer; returns the path the evaluate stage will find
+    (under ``final_dir``, relative to ``workdir``), or None. None for every row when ``out_dir`` is."""
+    from tasks.compression.block_pruning import RemovedBlock
+    from tasks.compression.inhernet import inher_linears
+
+    def save(name: str, model: Any) -> str | None:
+        if out_dir is None or not cfg.keeps(name):
+            return None
+        if any(isinstance(m, RemovedBlock) for m in model.modules()) or inher_linears(model):
+            # from_pretrained has no field for a removed sub-block or a factored linear: load_causal_lm could not read it
+            print(f"prune: {name} not kept for the evaluate stage (a removed attention/MLP sub-block or an "
+                  "InherNet model does not load through from_pretrained)")
+            return None
+        save_model(model, tok, Path(out_dir) / name, record | {"row": name})
+        return str((Path(final_dir) / name).relative_to(workdir))
+
+    return save
 
 
 def split_train(train: np.ndarray, calib_tokens: int, recovery: RecoveryConfig, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -52,8 +84,11 @@ def split_train(train: np.ndarray, calib_tokens: int, recovery: RecoveryConfig, 
 
 
 @task(name="prune-model", cache_policy=NO_CACHE)
-def prune_model(model_row: dict, cfg: PruningConfig, parent: RunRef) -> list[dict]:
-    """Every enabled setting on one trained model."""
+def prune_model(model_row: dict, cfg: PruningConfig, parent: RunRef, save_dir: str | None = None,
+                final_dir: str | None = None, workdir: str = ".") -> PruneTables:
+    """Every enabled setting on one trained model; the rows ``cfg.save`` keeps go to ``save_dir``."""
+    from tasks.common.models import ladder_tokenizer
+
     set_process_threads(cfg.num_threads)
     model, meta = load_model(model_row["model_dir"])
     seq_len = cfg.seq_len or meta["seq_len"]
@@ -62,12 +97,16 @@ def prune_model(model_row: dict, cfg: PruningConfig, parent: RunRef) -> list[dic
     check_overlap(calib_eval_overlap(calib, val[: cfg.eval_tokens]), model_row["run"])
     base_row = {"model": model_row["run"], "variant": model_row["variant"], "run": model_row["run"]}
     tokenizer = Tokenizer.from_file(model_row["tokenizer_path"])
+    save = _saver(cfg.save, ladder_tokenizer(Path(model_row["tokenizer_path"])), save_dir, final_dir, workdir,
+                  {"source": model_row["model_dir"], "variant": model_row["variant"], "run": model_row["run"]})
     return prune_rows(model, settings=cfg.methods(), recovery=cfg.recovery, calib=calib, train=train, val=val,
                       seq_len=seq_len, batch_size=cfg.batch_size, eval_tokens=cfg.eval_tokens, base_row=base_row,
-                      log=_logger(parent, model_row["run"]), texts=lambda w: tokenizer.decode_batch(w.tolist()))
+                      log=_logger(parent, model_row["run"]), texts=lambda w: tokenizer.decode_batch(w.tolist()),
+                      save=save)
 
 
-def prune_pretrained(name: str, cfg: PruningConfig, prepared: str, parent: RunRef) -> list[dict]:
+def prune_pretrained(name: str, cfg: PruningConfig, prepared: str, parent: RunRef, save_dir: str | None = None,
+                     final_dir: str | None = None, workdir: str = ".") -> PruneTables:
     """Every pretrained setting on one pretrained model, on the prepared train/val text in its own tokenizer."""
     from tasks.common.models import load_causal_lm
 
@@ -82,10 +121,11 @@ def prune_pretrained(name: str, cfg: PruningConfig, prepared: str, parent: RunRe
     train = text_tokens(shards, tok, cfg.pretrained_calib_tokens + recovery.tokens, tok.eos_token_id)
     calib, rec = split_train(train, cfg.pretrained_calib_tokens, recovery, f"{prepared_dir / 'train'} ({name})")
     base_row = {"model": PRETRAINED[name], "variant": "pretrained", "run": None}
+    save = _saver(cfg.save, tok, save_dir, final_dir, workdir, {"source": name, "variant": "pretrained"})
     return prune_rows(model, settings=cfg.methods(pretrained=True), recovery=recovery, calib=calib, train=rec,
                       val=val, seq_len=cfg.pretrained_seq_len, batch_size=cfg.pretrained_batch_size,
                       eval_tokens=cfg.pretrained_eval_tokens, base_row=base_row, log=_logger(parent, PRETRAINED[name]),
-                      texts=lambda w: tok.decode_batch(w.tolist()))
+                      texts=lambda w: tok.decode_batch(w.tolist()), save=save)
 
 
 @flow(name="prune", log_prints=True)
@@ -98,20 +138,46 @@ def prune_flow(
 ) -> list[dict]:
     ctx = stage_context(root, preset, workdir, runner, parent_run_id)
     cfg = ctx.config(PruningConfig, "pruning")
-    with stage_run(ctx, "prune", cfg) as run:
+    with stage_run(ctx, "prune", cfg) as run, atomic_dir(ctx.layout.pruned) as out:
         models = trained_models(ctx, cfg.models)
         if not cfg.models and cfg.largest_only:
             models = largest_per_variant(models)
+        kept = saved_ladder_models(models, cfg.save.ladder)
         jobs = [dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m)),
                                     "tokenizer_path": str(ctx.layout.tokenizer)},
-                     cfg=cfg, parent=run.ref()) for m in models]
-        rows = [r for rs in map_tasks(ctx.pipeline, prune_model, jobs) for r in rs]
+                     cfg=cfg, parent=run.ref(), workdir=str(ctx.workdir),
+                     save_dir=str(out / m["variant"] / m["run"]) if f"{m['variant']}/{m['run']}" in kept else None,
+                     final_dir=str(ctx.layout.pruned / m["variant"] / m["run"]))
+                for m in models]
+        tables = map_tasks(ctx.pipeline, prune_model, jobs)
         for name in cfg.pretrained:  # one at a time: its own threads use the cores
-            rows += prune_pretrained(name, cfg, str(ctx.layout.prepared), run.ref())
+            pretrained_dir = Path("pretrained") / PRETRAINED[name]
+            tables.append(prune_pretrained(name, cfg, str(ctx.layout.prepared), run.ref(),
+                                           save_dir=str(out / pretrained_dir) if cfg.save.pretrained else None,
+                                           final_dir=str(ctx.layout.pruned / pretrained_dir), workdir=str(ctx.workdir)))
+        rows = [r for t in tables for r in t.rows]
+        curves = [c for t in tables for c in t.curves]
         write_table(ctx, "pruning", rows, run)
-        run.log_metrics({"models": len(models) + len(cfg.pretrained), "rows": len(rows)})
-        print(f"prune: {len(rows)} rows -> {ctx.layout.reports / 'pruning.csv'}")
+        write_table(ctx, "pruning_recovery", curves, run)
+        with atomic_dir(ctx.layout.reports / "pruning") as plots:  # replaced whole: no stale figure
+            if curves:
+                plot_recovery_curves(curves, plots / "recovery.png")
+        run.log_artifact(ctx.layout.reports / "pruning" / "recovery.png", "reports")  # skipped when absent
+        n_saved = sum(r.get("model_path") is not None for r in rows)
+        run.log_metrics({"models": len(models) + len(cfg.pretrained), "rows": len(rows), "curve_points": len(curves),
+                         "models_saved": n_saved})
+        print(f"prune: {len(rows)} rows -> {ctx.layout.reports / 'pruning.csv'}, {len(curves)} curve points -> "
+              f"{ctx.layout.reports / 'pruning_recovery.csv'}, {n_saved} models kept in {ctx.layout.pruned}")
         return rows
+
+
+def saved_ladder_models(models: list[dict], which: str) -> set[str]:
+    """``variant/run`` of the pruned ladder models whose rows ``pruning.save`` keeps: ``largest``
+    (most parameters; the first in order on a tie), ``all`` or ``none``."""
+    if which == "none" or not models:
+        return set()
+    chosen = models if which == "all" else [max(models, key=lambda m: m["n_params"])]
+    return {f"{m['variant']}/{m['run']}" for m in chosen}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +298,8 @@ def distill_command(args: Any, root: Path) -> int:
     from tasks.compression.pruning import RecoveryConfig, select_windows
 
     rc = RecoveryConfig(losses=(args.loss,), data_select=(args.data_select,), budget=args.budget, steps=args.steps,
-                        lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, tokens=args.tokens)
+                        lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, tokens=args.tokens,
+                        curve_every=args.curve_every)
     set_process_threads(args.threads)
     teacher, tok, _ = load_causal_lm(args.teacher)
     student, stok, smeta = load_causal_lm(args.student)
@@ -251,14 +318,16 @@ def distill_command(args: Any, root: Path) -> int:
     if not args.train_embeddings:
         student.get_input_embeddings().weight.requires_grad_(False)
         student.get_output_embeddings().weight.requires_grad_(False)
-    curve = recover(student, teacher, windows[chosen], rc.distill(args.loss))
-    after = _ppl(student.eval(), val, args.eval_seq_len, 4)
+    curve = recover(student, teacher, windows[chosen], rc.distill(args.loss), every=rc.curve_every, initial=before,
+                    evaluate=lambda m: _ppl(m, val, args.eval_seq_len, 4))
+    after = curve.evals[-1][2]
+    points = [{"step": step, "recovery_tokens": tokens, "ppl": value} for step, tokens, value in curve.evals]
     record = {"teacher": str(args.teacher), "student": smeta.get("source", str(args.student)), "recovery": to_dict(rc),
               "windows": len(chosen), "candidates": len(windows), "tokens": curve.tokens, "losses": curve.losses,
-              "ppl_before": before, "ppl_after": after, "eval_tokens": len(val) - 1,
+              "ppl_before": before, "ppl_after": after, "curve": points, "eval_tokens": len(val) - 1,
               "eval_seq_len": args.eval_seq_len}
     print(f"{args.loss} on {len(chosen)} of {len(windows)} windows ({args.data_select}), {args.steps} steps: "
-          f"ppl {before:.2f} -> {after:.2f}")
+          f"ppl {before:.2f} -> {after:.2f}; curve " + ", ".join(f"{p['step']}: {p['ppl']:.2f}" for p in points))
     save_model(student, stok, args.out, record)
     print(f"-> {args.out}")
     return 0

@@ -81,6 +81,10 @@ class Layout:
         return self.workdir / "models" / "compressed"
 
     @property
+    def pruned(self) -> Path:
+        return self.workdir / "models" / "pruned"
+
+    @property
     def reports(self) -> Path:
         return self.workdir / "reports"
 

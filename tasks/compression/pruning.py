@@ -20,11 +20,13 @@ computed once and shared by every run (:class:`CachedTeacher`), so losses differ
 from __future__ import annotations
 
 import copy
+import fnmatch
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -56,7 +58,11 @@ class RecoveryConfig:
     into ``seq_len`` windows): ``random`` or ``paser`` (:mod:`tasks.compression.paser`, configured
     by ``paser``), each taking ``budget`` of the candidate windows. The first entry runs with every
     loss; the others with the first loss only, which is what comparing selectors at equal loss
-    needs. A second selector needs ``budget < 1`` (at 1 every selector takes every window)."""
+    needs. A second selector needs ``budget < 1`` (at 1 every selector takes every window).
+
+    ``curve_every``: the recovery curve's validation perplexity is taken before the first step,
+    after every ``curve_every``-th step and after the last; 0 = only those two ends, which the rows
+    score anyway (each point between costs one more evaluation of the student)."""
 
     losses: tuple[str, ...] = ("csd", "kl")
     data_select: tuple[str, ...] = ("random",)
@@ -68,6 +74,7 @@ class RecoveryConfig:
     seq_len: int = 128
     tokens: int = 16384
     train_embeddings: bool = False
+    curve_every: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,6 +93,8 @@ class RecoveryConfig:
         require(0 < self.budget <= 1, "budget", f"must be in (0, 1], got {self.budget}")
         require(len(self.data_select) == 1 or self.budget < 1, "budget",
                 f"must be < 1 to compare selectors {list(self.data_select)} (at 1 each takes every window)")
+        require(self.curve_every >= 0, "curve_every",
+                f"must be >= 0 (0 = the curve's two ends only), got {self.curve_every}")
 
     def runs(self) -> list[tuple[str, str]]:
         """``(loss, data_select)`` pairs: the first selector with every loss, the others with the first loss."""
@@ -98,6 +107,31 @@ class RecoveryConfig:
                              batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed)
 
 
+SAVE_LADDER = ("largest", "all", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveConfig:
+    """Which pruned models the prune stage keeps for the evaluate stage (``models/pruned/``).
+
+    ``rows``: shell patterns on a row's name, ``<setting>`` for a pruned model before recovery and
+    ``<setting>+<loss>+<select>`` after (``"*+csd+random"``: every setting recovered by CSD on
+    random windows); empty = none. ``ladder``: whose rows, ``largest`` (the pruned ladder model
+    with the most parameters; the first in variant order on a tie), ``all`` or ``none``;
+    ``pretrained``: also the pretrained models' (SmolLM2: ~0.5 GB each in float32)."""
+
+    rows: tuple[str, ...] = ("*+csd+random",)
+    ladder: str = "largest"
+    pretrained: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.ladder in SAVE_LADDER, "ladder", f"must be one of {list(SAVE_LADDER)}, got {self.ladder!r}")
+
+    def keeps(self, row_name: str) -> bool:
+        """Whether the row named ``row_name`` (``entrodrop_l1`` or ``entrodrop_l1+csd+random``) is kept."""
+        return any(fnmatch.fnmatchcase(row_name, pattern) for pattern in self.rows)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PruningConfig:
     """The ``pruning:`` section of params/pruning.yaml.
@@ -107,7 +141,8 @@ class PruningConfig:
     runs by name (empty = the largest run of each variant, ``largest_only``; false = all runs).
     ``calib_tokens``: training tokens the methods score blocks on; ``eval_tokens`` validation tokens
     scored per model at ``seq_len`` (None = the model's training length) in batches of ``batch_size``.
-    ``recovery``: :class:`RecoveryConfig`. ``pretrained`` (``smollm2``) with ``pretrained_settings``
+    ``recovery``: :class:`RecoveryConfig`. ``save``: :class:`SaveConfig`, the pruned models kept for
+    the evaluate stage. ``pretrained`` (``smollm2``) with ``pretrained_settings``
     (empty = the enabled ones), its own ``pretrained_*`` token counts, window length, recovery (None =
     ``recovery``) and torch threads (``pretrained_num_threads``: it runs after the ladder's models, alone).
     """
@@ -121,6 +156,7 @@ class PruningConfig:
     seq_len: int | None = None
     batch_size: int = 16
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)
     pretrained: tuple[str, ...] = ()
     pretrained_settings: tuple[str, ...] = ()
     pretrained_calib_tokens: int = 2048
@@ -221,20 +257,39 @@ class _Logits:
     logits: torch.Tensor
 
 
+class PruneTables(NamedTuple):
+    """What :func:`prune_rows` returns: ``rows`` (reports/pruning.csv) and ``curves`` (one row per
+    point of each recovery run's curve, reports/pruning_recovery.csv)."""
+
+    rows: list[dict[str, Any]]
+    curves: list[dict[str, Any]]
+
+
 def prune_rows(
     model: nn.Module, *, settings: dict[str, tuple[str, MethodSpec]], recovery: RecoveryConfig,
     calib: np.ndarray, train: np.ndarray, val: np.ndarray, seq_len: int, batch_size: int, eval_tokens: int,
-    base_row: dict[str, Any], log: Callable[[str, dict[str, Any], dict[str, Any]], None] | None = None,
+    base_row: dict[str, Any],
+    log: Callable[[str, dict[str, Any], dict[str, Any], list[dict[str, Any]]], None] | None = None,
     texts: Callable[[torch.Tensor], list[str]] | None = None,
-) -> list[dict[str, Any]]:
+    save: Callable[[str, nn.Module], str | None] | None = None,
+) -> PruneTables:
     """Every setting on ``model``: the dense row, then per setting the pruned row and one row per
-    recovery run (:meth:`RecoveryConfig.runs`).
+    recovery run (:meth:`RecoveryConfig.runs`), and each recovery run's perplexity curve.
 
     ``calib``: training tokens the methods score on; ``train``: the recovery candidates (disjoint
     from ``calib``), cut into ``recovery.seq_len`` windows; ``val``: validation tokens, of which the
     first ``eval_tokens`` are scored in windows of ``seq_len``. ``texts(windows)`` decodes windows
     for PASER's sentence embeddings (needed when ``recovery.data_select`` has ``paser``).
-    ``log(setting, params, metrics)`` is called once per row (the stage's MLflow run).
+
+    A curve (``recovery.curve_every``) starts at the pruned row's perplexity (step 0) and ends at
+    the recovered row's: the same evaluation, not a second one. Its rows carry the row's model
+    columns, ``setting``, ``method``, ``removed_fraction``, ``recovery_loss``, ``data_select``,
+    ``step``, ``recovery_tokens``, ``ppl`` and ``curve`` (one name per run, for plotting).
+
+    ``log(name, params, metrics, curve)`` is called once per row (the stage's MLflow run; ``curve``
+    is the run's curve rows, empty for the dense and pruned rows). ``save(name, model)`` is offered
+    every pruned and recovered model (``name``: ``<setting>`` or ``<setting>+<loss>+<select>``) and
+    returns where it kept it, recorded as the row's ``model_path`` (None: not kept).
     """
 
     def ppl(m: nn.Module) -> float:
@@ -246,8 +301,9 @@ def prune_rows(
              "ppl": ppl(model), "params": dense_params, "flops_per_token": forward_flops_per_token(model, seq_len),
              "seconds": 0.0}
     rows = [base_row | dense]
+    curves: list[dict[str, Any]] = []
     if log:
-        log("dense", base_row | {"method": "dense"}, dense)
+        log("dense", base_row | {"method": "dense"}, dense, [])
     windows = token_windows(np.asarray(train), recovery.seq_len)
     k = max(1, round(recovery.budget * len(windows)))
     embeddings = None
@@ -270,9 +326,9 @@ def prune_rows(
                           "flops_per_token": forward_flops_per_token(pruned, seq_len)}
         first = {"recovery_loss": "none", "data_select": "none", "recovery_steps": 0, "recovery_tokens": 0,
                  "ppl": ppl(pruned), "seconds": round(time.perf_counter() - t, 2)}
-        rows.append(row | first)
+        rows.append(row | first | {"model_path": save(setting, pruned) if save else None})
         if log:
-            log(setting, row | {"config": to_dict(cfg)}, first)
+            log(setting, row | {"config": to_dict(cfg)}, first, [])
         chosen = {d: select_windows(d, model, pruned, windows, k, recovery, embeddings) for d in recovery.data_select}
         for loss, select in recovery.runs():
             t = time.perf_counter()
@@ -280,17 +336,25 @@ def prune_rows(
             if not recovery.train_embeddings:
                 student.get_input_embeddings().weight.requires_grad_(False)
                 student.get_output_embeddings().weight.requires_grad_(False)
-            curve = recover(student, teacher, windows[chosen[select]], recovery.distill(loss))
+            curve = recover(student, teacher, windows[chosen[select]], recovery.distill(loss), evaluate=ppl,
+                            every=recovery.curve_every, initial=first["ppl"])
+            name = f"{setting}+{loss}+{select}"
             rec = {"recovery_loss": loss, "data_select": select, "recovery_steps": recovery.steps,
                    "recovery_windows": len(chosen[select]), "recovery_tokens": curve.tokens,
-                   "ppl": ppl(student.eval()), "distill_loss_first": curve.losses[0],
+                   "ppl": curve.evals[-1][2], "distill_loss_first": curve.losses[0],
                    "distill_loss_last": curve.losses[-1], "seconds": round(time.perf_counter() - t, 2)}
-            rows.append(row | rec)
+            points = [base_row | {"setting": setting, "method": method, "removed_fraction": row["removed_fraction"],
+                                  "recovery_loss": loss, "data_select": select, "step": step,
+                                  "recovery_tokens": tokens, "ppl": value,
+                                  "curve": f"{base_row.get('variant', '')}/{base_row.get('model', '')}:{name}"}
+                      for step, tokens, value in curve.evals]
+            curves += points
+            rows.append(row | rec | {"model_path": save(name, student.eval()) if save else None})
             if log:
-                log(f"{setting}+{loss}+{select}", row | {"recovery": to_dict(recovery)}, rec)
+                log(name, row | {"recovery": to_dict(recovery)}, rec, points)
             del student
         del result, pruned
-    return rows
+    return PruneTables(rows, curves)
 
 
 def select_windows(select: str, dense: nn.Module, pruned: nn.Module, windows: torch.Tensor, k: int,
@@ -315,3 +379,42 @@ def largest_per_variant(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
             best[m["variant"]] = m
     return list(best.values())
 
+
+
+def plot_recovery_curves(curves: list[dict[str, Any]], path: str | Path) -> None:
+    """Validation perplexity against recovery tokens, one panel per pruned model (model and setting),
+    one line per recovery run: colour = loss, line style = data selector. ``curves``: the
+    ``curves`` of :func:`prune_rows` (several models' concatenated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tasks.common.io import atomic_path
+
+    panels: dict[str, list[dict[str, Any]]] = {}
+    for c in curves:
+        panels.setdefault(f"{c.get('variant', '')}/{c.get('model', '')}: {c['setting']}", []).append(c)
+    losses = list(RECOVERY_LOSSES)
+    styles = {d: ls for d, ls in zip(DATA_SELECTORS, ("-", "--"))}
+    n = max(1, len(panels))
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, (title, points) in zip(axes.flat, panels.items()):
+        for name in dict.fromkeys(p["curve"] for p in points):
+            run = sorted((p for p in points if p["curve"] == name), key=lambda p: p["step"])
+            loss, select = run[0]["recovery_loss"], run[0]["data_select"]
+            ax.plot([p["recovery_tokens"] for p in run], [p["ppl"] for p in run], marker="o", ms=3,
+                    ls=styles.get(select, ":"), color=plt.cm.tab10(losses.index(loss) % 10), label=f"{loss}, {select}")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("recovery tokens", fontsize=8)
+        ax.set_ylabel("validation perplexity", fontsize=8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)

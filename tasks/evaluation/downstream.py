@@ -843,8 +843,10 @@ class EvaluateConfig:
     by name (empty = all). ``compressed``: also score the compress stage's artifacts;
     ``sparse``: sparse settings (with their sparsities) applied in process to ladder models;
     both only for the ``variant_top`` largest-compute runs of each variant (0 = every run).
-    ``calib_tokens``: training tokens for sparse methods that calibrate. ``scoring``: batch size in
-    tokens and the shared-context switch. ``num_threads``: torch threads per process.
+    ``pruned``: also score the pruned and recovered models the prune stage kept (``pruning.save``
+    in params/pruning.yaml decides which; SmolLM2's with SmolLM2). ``calib_tokens``: training
+    tokens for sparse methods that calibrate. ``scoring``: batch size in tokens and the
+    shared-context switch. ``num_threads``: torch threads per process.
     ``microbench``: evaluation subsets compared on each task's correctness matrix.
     """
 
@@ -853,6 +855,7 @@ class EvaluateConfig:
     limit: int = 200
     models: tuple[str, ...] = ()
     compressed: bool = True
+    pruned: bool = True
     sparse: dict[str, dict[str, Any]] = field(default_factory=dict)
     variant_top: int = 0
     calib_tokens: int = 16384

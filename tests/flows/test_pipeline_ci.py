@@ -162,6 +162,56 @@ def test_pruning_rows_dense_pruned_and_recovered(ci_run):
     assert prune["ppl"].is_finite().all()
 
 
+def test_recovery_curves_start_at_the_pruned_and_end_at_the_recovered_ppl(ci_run):
+    from tasks.common.params import load_stage_config
+    from tasks.compression.pruning import PruningConfig
+
+    workdir, _ = ci_run
+    reports = workdir / "reports"
+    rc = load_stage_config(PruningConfig, ROOT, "pruning", "ci").recovery
+    steps = sorted({0, rc.steps, *range(rc.curve_every, rc.steps, rc.curve_every or rc.steps)})
+    prune = pl.read_csv(reports / "pruning.csv", infer_schema_length=None)
+    curves = pl.read_csv(reports / "pruning_recovery.csv", infer_schema_length=None)
+    recovered = prune.filter(pl.col("recovery_loss") != "none")
+    keys = ["variant", "model", "setting", "recovery_loss", "data_select"]
+    assert curves.select(keys).unique().height == recovered.height
+    for row in recovered.iter_rows(named=True):
+        curve = curves.filter(*[pl.col(k) == row[k] for k in keys]).sort("step")
+        before = prune.filter(pl.col("variant") == row["variant"], pl.col("model") == row["model"],
+                              pl.col("setting") == row["setting"], pl.col("recovery_loss") == "none")
+        assert curve["step"].to_list() == steps
+        assert curve["ppl"][0] == pytest.approx(before["ppl"][0], rel=1e-9)
+        assert curve["ppl"][-1] == pytest.approx(row["ppl"], rel=1e-9)
+        assert curve["recovery_tokens"][-1] == row["recovery_tokens"]
+    assert (reports / "pruning" / "recovery.png").exists()
+    # each recovery run's MLflow run carries the curve as a step metric
+    client, _, runs = pipeline_runs(ci_run)
+    rec_runs = [r for r in runs if r.data.tags.get("scalelab.stage") == "prune" and r.info.run_name.count("+") == 2]
+    assert len(rec_runs) == recovered.height
+    history = client.get_metric_history(rec_runs[0].info.run_id, "curve_ppl")
+    assert sorted(m.step for m in history) == steps
+
+
+def test_pruned_models_are_scored_downstream_against_their_base(ci_run):
+    workdir, _ = ci_run
+    reports = workdir / "reports"
+    prune = pl.read_csv(reports / "pruning.csv", infer_schema_length=None)
+    kept = prune.filter(pl.col("model_path").is_not_null())
+    # pruning.save: the CSD/random recovered rows of the largest pruned ladder model, as from_pretrained folders
+    assert kept.height > 0 and set(kept["recovery_loss"]) == {"csd"} and set(kept["data_select"]) == {"random"}
+    assert kept.select("variant", "run").unique().height == 1
+    assert all((workdir / p / "config.json").exists() for p in kept["model_path"])
+    down = pl.read_csv(reports / "downstream.csv", infer_schema_length=None)
+    comps = pl.read_csv(reports / "downstream_comparisons.csv", infer_schema_length=None)
+    for row in kept.iter_rows(named=True):
+        name = f"{row['variant']}/{row['run']}:{row['setting']}+csd+random"
+        rows = down.filter(pl.col("model") == name)
+        assert set(rows["task"]) == set(down["task"])
+        assert set(rows["method"]) == {row["method"]} and set(rows["setting"]) == {f"{row['setting']}+csd+random"}
+        assert set(rows["n_params"]) == {row["params"]}
+        assert set(comps.filter(pl.col("model") == name)["base"]) == {f"{row['variant']}/{row['run']}"}
+
+
 def test_mlflow_records_lineage_models_and_registry(ci_run):
     """Datasets with DVC digests on every run that reads data, git/params tags, logged models with
     their metrics (trained and compressed), one registry alias per series and budget."""

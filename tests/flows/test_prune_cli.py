@@ -51,12 +51,15 @@ def test_prune_then_distill_write_loadable_models(model_and_text, tmp_path: Path
     assert pruned.config.num_hidden_layers == 2
     assert main(["distill", "--teacher", str(teacher), "--student", str(tmp_path / "pruned"), "--loss", "kl",
                  "--data-select", "random", "--budget", "0.5", "--steps", "2", "--batch-size", "2", "--tokens", "1024",
-                 "--seq-len", "32", "--out", str(tmp_path / "recovered"), *common]) == 0
+                 "--seq-len", "32", "--curve-every", "1", "--out", str(tmp_path / "recovered"), *common]) == 0
     pruned_after = record["ppl_after"]
     record = json.loads((tmp_path / "recovered" / "scalelab.json").read_text())
     # the saved student, scored again before recovery, is the model prune scored (same text, context, dtype)
     assert record["ppl_before"] == pytest.approx(pruned_after, rel=1e-4)
     assert record["windows"] == 16 and record["candidates"] == 32 and record["tokens"] == 2 * 2 * 32
+    # the recovery curve: before, after each step (--curve-every 1), ending at the reported perplexity
+    assert [(p["step"], p["recovery_tokens"]) for p in record["curve"]] == [(0, 0), (1, 64), (2, 128)]
+    assert record["curve"][0]["ppl"] == record["ppl_before"] and record["curve"][-1]["ppl"] == record["ppl_after"]
     recovered, _, _ = load_causal_lm(tmp_path / "recovered")
     diff = [(a - b).abs().max().item() for a, b in zip(recovered.parameters(), pruned.parameters())]
     assert max(diff) > 0  # it trained

@@ -14,6 +14,7 @@ from tasks.compression.pruning import (
     CachedTeacher,
     PruningConfig,
     RecoveryConfig,
+    SaveConfig,
     forward_flops_per_token,
     largest_per_variant,
     matmul_params,
@@ -92,9 +93,9 @@ def test_prune_rows_dense_pruned_and_recovered():
     cfg = PruningConfig(settings=SETTINGS, recovery=RecoveryConfig(losses=("csd", "kl"), steps=2, batch_size=2,
                                                                    seq_len=32, tokens=512, lr=1e-3))
     logged = []
-    rows = prune_rows(model, settings=cfg.methods(), recovery=cfg.recovery, calib=tokens(256, 1), train=tokens(512, 3),
-                      val=tokens(513, 4), seq_len=32, batch_size=4, eval_tokens=512, base_row={"model": "tiny"},
-                      log=lambda s, p, m: logged.append(s))
+    rows, _ = prune_rows(model, settings=cfg.methods(), recovery=cfg.recovery, calib=tokens(256, 1),
+                         train=tokens(512, 3), val=tokens(513, 4), seq_len=32, batch_size=4, eval_tokens=512,
+                         base_row={"model": "tiny"}, log=lambda s, p, m, c: logged.append(s))
     assert [(r["setting"], r["recovery_loss"]) for r in rows] == [
         ("dense", "none"), ("e", "none"), ("e", "csd"), ("e", "kl"), ("c", "none"), ("c", "csd"), ("c", "kl")]
     assert logged == ["dense", "e", "e+csd+random", "e+kl+random", "c", "c+csd+random", "c+kl+random"]
@@ -110,6 +111,65 @@ def test_prune_rows_dense_pruned_and_recovered():
         assert r["recovery_windows"] == 512 // 32  # budget 1: every candidate window
     assert all(r["model"] == "tiny" for r in rows)
     assert len(model.model.layers) == 4  # the input model is left unchanged
+
+
+@pytest.mark.parametrize("steps, every, expected", [(4, 2, [0, 2, 4]), (5, 2, [0, 2, 4, 5]), (3, 0, [0, 3])],
+                         ids=["every-2-of-4", "every-2-of-5-ends-on-5", "ends-only"])
+def test_recovery_curve_runs_from_the_pruned_to_the_recovered_ppl(steps, every, expected):
+    import math
+
+    from tasks.evaluation.loss import evaluate_loss
+
+    model = with_identity(tiny_llama(4), 2)
+    rc = RecoveryConfig(losses=("csd", "kl"), steps=steps, batch_size=2, seq_len=32, tokens=512, lr=3e-3,
+                        curve_every=every)
+    val = tokens(513, 4)
+    logged, saved = {}, {}
+
+    def save(name, m):  # the model the row scored, scored again here
+        saved[name] = math.exp(evaluate_loss(m, val, 32, 4, max_tokens=512))
+        return f"kept/{name}"
+
+    rows, curves = prune_rows(model, settings=PruningConfig(settings=SETTINGS, enabled=("c",)).methods(), recovery=rc,
+                              calib=tokens(256, 1), train=tokens(512, 3), val=val, seq_len=32, batch_size=4,
+                              eval_tokens=512, base_row={"model": "tiny", "variant": "raw"},
+                              log=lambda s, p, m, c: logged.update({s: c}), save=save)
+    pruned = next(r for r in rows if r["setting"] == "c" and r["recovery_loss"] == "none")
+    for loss in ("csd", "kl"):
+        row = next(r for r in rows if r["recovery_loss"] == loss)
+        curve = [c for c in curves if c["recovery_loss"] == loss]
+        assert [c["step"] for c in curve] == expected
+        assert [c["recovery_tokens"] for c in curve] == [s * 2 * 32 for s in expected]
+        assert curve[0]["ppl"] == pruned["ppl"] and curve[-1]["ppl"] == row["ppl"]
+        assert saved[f"c+{loss}+random"] == pytest.approx(row["ppl"], rel=1e-6)
+        assert row["model_path"] == f"kept/c+{loss}+random"
+        assert logged[f"c+{loss}+random"] == curve
+        assert {c["curve"] for c in curve} == {f"raw/tiny:c+{loss}+random"}
+        assert all(c["method"] == "cosine_drop" and c["removed_fraction"] == pruned["removed_fraction"] for c in curve)
+    assert saved["c"] == pytest.approx(pruned["ppl"], rel=1e-6) and logged["c"] == [] and logged["dense"] == []
+    # the two losses start from the same pruned model and move it apart
+    assert len({c["ppl"] for c in curves if c["step"] == steps}) == 2
+
+
+def test_save_config_matches_row_names():
+    cfg = SaveConfig()
+    assert cfg.keeps("entrodrop_l1+csd+random") and not cfg.keeps("entrodrop_l1+kl+random")
+    assert not cfg.keeps("entrodrop_l1")  # the pruned model before recovery
+    assert SaveConfig(rows=("cosine_l1",)).keeps("cosine_l1") and not SaveConfig(rows=()).keeps("cosine_l1")
+    with pytest.raises(ValueError, match="ladder"):
+        SaveConfig(ladder="biggest")
+    with pytest.raises(ValueError, match="curve_every"):
+        RecoveryConfig(curve_every=-1)
+
+
+def test_plot_recovery_curves_writes_a_png(tmp_path):
+    from tasks.compression.pruning import plot_recovery_curves
+
+    curves = [{"variant": "raw", "model": "m", "setting": s, "curve": f"raw/m:{s}+{loss}+random", "recovery_loss": loss,
+               "data_select": "random", "step": k, "recovery_tokens": 64 * k, "ppl": 30.0 - k - (loss == "kl")}
+              for s in ("a", "b") for loss in ("csd", "kl") for k in (0, 2, 4)]
+    plot_recovery_curves(curves, tmp_path / "recovery.png")
+    assert (tmp_path / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_largest_per_variant():
@@ -137,9 +197,9 @@ def test_prune_rows_with_paser_selects_the_budget(monkeypatch):
     model = tiny_llama(4)
     rc = RecoveryConfig(losses=("csd",), data_select=("random", "paser"), budget=0.25, steps=1, batch_size=2,
                         seq_len=16, tokens=512)
-    rows = prune_rows(model, settings=PruningConfig(settings=SETTINGS, enabled=("c",)).methods(), recovery=rc,
-                      calib=tokens(256, 1), train=tokens(512, 3), val=tokens(257, 4), seq_len=32, batch_size=4,
-                      eval_tokens=256, base_row={}, texts=lambda w: [" ".join(map(str, r.tolist())) for r in w])
+    rows, _ = prune_rows(model, settings=PruningConfig(settings=SETTINGS, enabled=("c",)).methods(), recovery=rc,
+                         calib=tokens(256, 1), train=tokens(512, 3), val=tokens(257, 4), seq_len=32, batch_size=4,
+                         eval_tokens=256, base_row={}, texts=lambda w: [" ".join(map(str, r.tolist())) for r in w])
     rec = [r for r in rows if r["recovery_loss"] != "none"]
     assert [(r["recovery_loss"], r["data_select"]) for r in rec] == [("csd", "random"), ("csd", "paser")]
     assert all(r["recovery_windows"] == 8 for r in rec)  # 0.25 of 32 windows
@@ -151,9 +211,9 @@ def test_gradpruner_and_inhernet_rows_through_the_registry():
                 "i": {"method": "inhernet", "target_fraction": 0.8, "allocation": "spectrum"}}
     cfg = PruningConfig(settings=settings, recovery=RecoveryConfig(losses=("kl",), steps=1, batch_size=2,
                                                                    seq_len=32, tokens=512))
-    rows = prune_rows(model, settings=cfg.methods(), recovery=cfg.recovery, calib=tokens(256, 1), train=tokens(512, 3),
-                      val=tokens(513, 4), seq_len=32, batch_size=4, eval_tokens=512, base_row={"model": "tiny"},
-                      log=lambda *a: None)
+    rows, _ = prune_rows(model, settings=cfg.methods(), recovery=cfg.recovery, calib=tokens(256, 1),
+                         train=tokens(512, 3), val=tokens(513, 4), seq_len=32, batch_size=4, eval_tokens=512,
+                         base_row={"model": "tiny"}, log=lambda *a: None)
     by = {(r["setting"], r["recovery_loss"]): r for r in rows}
     dense, grad, inher = by["dense", "none"], by["g", "none"], by["i", "none"]
     assert len(grad["removed"].split()) == 1 and grad["params"] < dense["params"]
