@@ -408,6 +408,7 @@ def plot_recovery_curves(curves: list[dict[str, Any]], path: str | Path) -> None
             ax.plot([p["recovery_tokens"] for p in run], [p["ppl"] for p in run], marker="o", ms=3,
                     ls=styles.get(select, ":"), color=plt.cm.tab10(losses.index(loss) % 10), label=f"{loss}, {select}")
         ax.set_title(title, fontsize=9)
+        ax.ticklabel_format(axis="y", useOffset=False)  # perplexities, not offsets from one
         ax.set_xlabel("recovery tokens", fontsize=8)
         ax.set_ylabel("validation perplexity", fontsize=8)
         ax.grid(True, alpha=0.3)
