@@ -36,6 +36,8 @@ from tasks.evaluation.loss import evaluate_loss  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = {
+    "rtn_w2_g128": {"method": "rtn", "bits": 2, "group_size": 128},
+    "rtn_w2_g64": {"method": "rtn", "bits": 2, "group_size": 64},
     "rtn_w2_g32": {"method": "rtn", "bits": 2, "group_size": 32},
     "rtn_w3_g128": {"method": "rtn", "bits": 3, "group_size": 128},
     "rtn_w3_g64": {"method": "rtn", "bits": 3, "group_size": 64},
@@ -48,6 +50,8 @@ CONFIGS = {
     "gptq_w4_g128": {"method": "gptq", "bits": 4, "group_size": 128, "sequential": False},
     "anybcq_g128": {"method": "anybcq", "bits": 2, "group_size": 128},
     "anybcq_g64": {"method": "anybcq", "bits": 2, "group_size": 64},
+    # The paper's data-free fit (greedy start, plain Frobenius least squares), for comparison.
+    "anybcq_frob_g128": {"method": "anybcq", "bits": 2, "group_size": 128, "init": "greedy", "weighting": "none"},
     "nubitq_b2.5": {"method": "nubitq", "budget_bits": 2.5, "codebook": "tensor"},
     "nubitq_b3": {"method": "nubitq", "budget_bits": 3.0, "codebook": "tensor"},
     "nubitq_b3.25": {"method": "nubitq", "budget_bits": 3.25, "codebook": "tensor"},
@@ -118,7 +122,7 @@ def goals(rows: list[dict]) -> list[str]:
         for r in (r for r in rows if r["method"] == "nubitq" and r["bits_per_weight"] <= 3.3):
             out.append(f"{'PASS' if r['ppl'] < g['ppl'] else 'FAIL'} {r['setting']} ({r['bits_per_weight']:.3f} bpw) "
                        f"ppl {r['ppl']:.2f} vs GPTQ g128 3-bit {g['ppl']:.2f} ({g['bits_per_weight']:.3f} bpw)")
-    for name in ("anybcq_g128", "anybcq_g64"):
+    for name in ("anybcq_g128", "anybcq_g64", "anybcq_frob_g128"):
         pts = [by.get(f"{name}@w{b}") for b in (2, 3, 4)]
         if all(pts):
             mono = pts[0]["ppl"] > pts[1]["ppl"] > pts[2]["ppl"]
@@ -171,7 +175,7 @@ def run_model(spec: str, args) -> list[dict]:
     names = QUICK if args.quick else (args.settings or list(CONFIGS))
     entries = {n: dict(CONFIGS[n]) for n in names}
     for n, e in entries.items():
-        if e["method"] in ("gptq", "nubitq"):
+        if e["method"] in ("gptq", "nubitq", "anybcq"):
             e["seq_len"] = seq_len
     for setting, (method, cfg) in parse_settings(entries).items():
         t = time.perf_counter()

@@ -13,11 +13,29 @@ residual, ``b_{k+1} = sign(w - ŵ_k)``, with every earlier plane frozen and only
 re-solved by least squares for the new precision. So precision ``k`` reads planes ``1..k`` and its
 own scale set; one stored artifact serves every ``k`` in ``min_bits..max_bits``, chosen at load
 time (``load_compressed_model(path, base, bits=3)``). Because level ``k+1``'s least squares spans
-level ``k``'s basis plus one plane, the weight error can only fall with ``k`` (up to fp16 rounding
-of the scales).
+level ``k``'s basis plus one plane, the fitted error (plain or weighted, below) can only fall with
+``k`` (up to fp16 rounding of the scales).
 
 ``offset`` adds the per-group constant ``z`` of (1) (affine BCQ, as in LUT-GEMM's BCQ with offset);
 without it the levels are symmetric around zero, as in the paper's formula.
+
+Two choices differ from the paper's plain data-free fit, and each is a config field. The paper
+minimises the Frobenius error ``‖W - Ŵ‖²`` from a greedy start (``init: greedy, weighting: none``).
+On SmolLM2-135M that fit collapses (perplexity 1.7e7 / 1.2e5 / 2,434 at 2 / 3 / 4 bits, g128,
+against 42.5 in fp32): least squares over a group trades its few largest weights for the bulk, and
+the largest single-weight errors came out 10-13x round-to-nearest's. The defaults therefore
+
+- start the ``min_bits`` planes from the min–max uniform grid (``init: uniform``), which BCQ with
+  an offset represents exactly (RTN is a special case of (1)), so the fit begins where RTN ends;
+- weigh each weight's squared error by the calibration second moment ``E[x_j^2]`` of its input
+  channel (``weighting: activation``; a diagonal of GPTQ's Hessian, normalised to mean 1 plus
+  ``weight_floor``), so the alternating fit and every expansion's least squares minimise an estimate
+  of the layer's output error rather than its weight error. The sign step is unchanged: a weight's
+  nearest level is nearest under any positive weight of its own.
+
+With both, the same artifact scored 736 / 82.9 / 50.7 (``benchmarks/quant_quality.py``; the
+README has the table). The nesting, the frozen planes and the monotone error in ``k`` are as in the
+paper.
 
 On disk per quantized weight (rows, cols): ``<name>.planes`` uint8 (max_bits, rows, ceil(cols / 8)),
 sign bits packed little-endian along columns (bit 1 = +1); for every precision ``k``
@@ -39,7 +57,7 @@ from torch import nn
 
 from kernels.group_quant.reference import n_groups
 from tasks.common.config import require, to_dict
-from tasks.compression._calib import quantized_linears
+from tasks.compression._calib import calibration_windows, input_statistics, model_seq_len, quantized_linears
 from tasks.compression.registry import (
     CompressedModel,
     MethodSpec,
@@ -56,7 +74,15 @@ class AnyBCQConfig(MethodSpec):
     """``min_bits``..``max_bits``: the precisions one artifact serves (1..8); ``bits``: the one the
     returned model uses and its row reports (the stage evaluates all of them); ``group_size``:
     input channels sharing scales; ``iters``: alternating sign/least-squares rounds at ``min_bits``;
-    ``offset``: a per-group constant beside the planes."""
+    ``offset``: a per-group constant beside the planes.
+
+    ``init``: the ``min_bits`` planes' start, ``uniform`` (the min–max grid) or ``greedy`` (signs of
+    the residual). ``weighting``: ``activation`` weighs each weight's squared error by its input
+    channel's calibration ``E[x_j^2]`` (normalised to mean 1, plus ``weight_floor``), ``none`` is the
+    paper's plain Frobenius error and needs no calibration. ``seq_len``, ``max_windows``,
+    ``batch_size``: the calibration windows cut from ``calib_tokens`` (``activation`` only).
+    ``init: greedy, weighting: none`` is the paper's data-free fit; see the module docstring for why
+    it is not the default."""
 
     method: Literal["anybcq"] = "anybcq"
     bits: int = 2
@@ -65,6 +91,12 @@ class AnyBCQConfig(MethodSpec):
     group_size: int = 128
     iters: int = 6
     offset: bool = True
+    init: Literal["uniform", "greedy"] = "uniform"
+    weighting: Literal["activation", "none"] = "activation"
+    weight_floor: float = 1e-3
+    seq_len: int = 128
+    max_windows: int = 0
+    batch_size: int = 8
     skip: tuple[str, ...] = ("lm_head", "*.lm_head")
 
     def __post_init__(self) -> None:
@@ -75,6 +107,13 @@ class AnyBCQConfig(MethodSpec):
                 f"must be in min_bits..max_bits = {self.min_bits}..{self.max_bits}, got {self.bits}")
         require(self.group_size >= 2, "group_size", f"must be >= 2, got {self.group_size}")
         require(self.iters >= 0, "iters", f"must be >= 0, got {self.iters}")
+        require(self.init in ("uniform", "greedy"), "init", f"must be 'uniform' or 'greedy', got {self.init!r}")
+        require(self.weighting in ("activation", "none"), "weighting",
+                f"must be 'activation' or 'none', got {self.weighting!r}")
+        require(self.weight_floor >= 0, "weight_floor", f"must be >= 0, got {self.weight_floor}")
+        require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
+        require(self.max_windows >= 0, "max_windows", f"must be >= 0, got {self.max_windows}")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +128,9 @@ def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tens
 
 def _solve_scales(x: torch.Tensor, m: torch.Tensor, planes: torch.Tensor, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Least-squares ``α`` (rows, groups, k) and ``z`` (rows, groups) for fixed planes (k, rows, groups, gs),
-    rounded to fp16 (as stored). The normal equations are built from plane inner products, no basis copy."""
+    rounded to fp16 (as stored). ``m`` weighs each weight's squared error (0 on padding; 1, or the
+    calibration second moment of its input channel). The normal equations are built from plane inner
+    products, no basis copy."""
     k = planes.shape[0]
     pm = planes * m
     ata = torch.einsum("prgs,qrgs->rgpq", pm, planes)
@@ -114,28 +155,61 @@ def _reconstruct(planes: torch.Tensor, alpha: torch.Tensor, z: torch.Tensor) -> 
     return z[..., None] + torch.einsum("prgs,rgp->rgs", planes, alpha)
 
 
+def _uniform_planes(x: torch.Tensor, m: torch.Tensor, bits: int, offset: bool) -> torch.Tensor:
+    """The min–max uniform grid of ``bits`` bits per group (round-to-nearest's) written as BCQ planes.
+
+    Level ``lo + s·q`` with ``q = Σ_p 2^(p-1) (b_p + 1)/2`` is ``z + Σ_p s 2^(p-2) b_p``, so RTN is BCQ
+    with scales ``s/2, s, 2s, …``; without ``offset`` the grid is symmetric, ``±max|w|``. Returns
+    planes (bits, rows, groups, gs); the scales are solved afterwards."""
+    big = torch.finfo(x.dtype).max
+    if offset:
+        lo = torch.where(m > 0, x, big).amin(-1, keepdim=True)
+        hi = torch.where(m > 0, x, -big).amax(-1, keepdim=True)
+    else:
+        hi = (x * m).abs().amax(-1, keepdim=True)
+        lo = -hi
+    levels = 2**bits - 1
+    scale = ((hi - lo) / levels).clamp(min=1e-12)
+    q = ((x - lo) / scale).round().clamp(0, levels).to(torch.int64)
+    return torch.stack([((q >> p) & 1).float() * 2 - 1 for p in range(bits)])
+
+
 def bcq_progressive(
     w: torch.Tensor, *, min_bits: int, max_bits: int, group_size: int, iters: int = 15, offset: bool = True,
+    init: str = "greedy", channel_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Fit nested BCQ planes to ``w`` (rows, cols).
+
+    ``init``: ``greedy`` (each plane the sign of the residual, BCQ's usual start) or ``uniform``
+    (the min–max grid, see :func:`_uniform_planes`). ``channel_weight`` (cols,): weigh each
+    input channel's squared error in the least squares (e.g. the calibration ``E[x_j^2]``); the
+    sign step is unchanged, the nearest level being nearest under any positive per-weight weight.
 
     Returns ``planes`` (max_bits, rows, cols) float ±1 and ``{k: (alpha (rows, groups, k), z (rows, groups))}``
     for every ``k`` in ``min_bits..max_bits`` (fp32 values on the fp16 grid).
     """
     rows, cols = w.shape
     x, m = _grouped(w, group_size)
+    fit_m = m
+    if channel_weight is not None:
+        h, _ = _grouped(channel_weight.float().reshape(1, cols), group_size)
+        fit_m = m * h
     k0 = min_bits
-    # Greedy start: each plane the sign of the residual, its scale the residual's mean magnitude.
-    z = (x * m).sum(-1) / m.sum(-1) if offset else torch.zeros(x.shape[:2])
-    r = x - z[..., None]
-    planes = []
-    for _ in range(k0):
-        b = torch.where(r >= 0, 1.0, -1.0)
-        a = (r.abs() * m).sum(-1) / m.sum(-1)
-        planes.append(b)
-        r = r - a[..., None] * b
-    p = torch.stack(planes)
-    alpha, z = _solve_scales(x, m, p, offset)
+    if init == "uniform":
+        p = _uniform_planes(x, m, k0, offset)
+    elif init == "greedy":
+        z = (x * fit_m).sum(-1) / fit_m.sum(-1) if offset else torch.zeros(x.shape[:2])
+        r = x - z[..., None]
+        planes = []
+        for _ in range(k0):
+            b = torch.where(r >= 0, 1.0, -1.0)
+            a = (r.abs() * fit_m).sum(-1) / fit_m.sum(-1)
+            planes.append(b)
+            r = r - a[..., None] * b
+        p = torch.stack(planes)
+    else:
+        raise ValueError(f"init must be 'greedy' or 'uniform', got {init!r}")
+    alpha, z = _solve_scales(x, fit_m, p, offset)
     combos = torch.tensor(list(itertools.product([-1.0, 1.0], repeat=k0)))  # (2**k0, k0)
     for _ in range(iters):
         # Best sign pattern per weight given the scales: the nearest of the 2**k0 levels.
@@ -145,12 +219,12 @@ def bcq_progressive(
         if torch.equal(new, p):
             break
         p = new
-        alpha, z = _solve_scales(x, m, p, offset)
+        alpha, z = _solve_scales(x, fit_m, p, offset)
     scales = {k0: (alpha, z)}
     for k in range(k0 + 1, max_bits + 1):
         residual = x - _reconstruct(p, alpha, z)
         p = torch.cat([p, torch.where(residual >= 0, 1.0, -1.0)[None]])  # earlier planes frozen
-        alpha, z = _solve_scales(x, m, p, offset)
+        alpha, z = _solve_scales(x, fit_m, p, offset)
         scales[k] = (alpha, z)
     planes_flat = p.reshape(max_bits, rows, -1)[..., :cols]
     return planes_flat, scales
@@ -191,15 +265,25 @@ def bits_per_weight(bits: int, group_size: int, offset: bool) -> float:
 
 @register_method("anybcq", AnyBCQConfig)
 def compress_anybcq(model: nn.Module, cfg: AnyBCQConfig, *, calib_tokens: np.ndarray | None = None) -> CompressedModel:
-    """AnyBCQ a copy of ``model`` (data-free; ``calib_tokens`` unused) into one multi-precision artifact.
+    """AnyBCQ a copy of ``model`` into one multi-precision artifact; ``calib_tokens`` are read only
+    with ``weighting: activation``.
 
     ``model`` of the result serves ``cfg.bits``; ``meta["precisions"]`` maps every servable bit width
     to its ``bits_per_weight``; ``meta["weight_error"]`` the relative Frobenius error per precision.
     """
-    del calib_tokens
-    qmodel = copy.deepcopy(model)
+    qmodel = copy.deepcopy(model).eval()
     state, tied = unique_state(qmodel)
     targets = quantized_linears(qmodel, cfg.skip)
+    channel_weight: dict[str, torch.Tensor] = {}
+    calib_windows = 0
+    if cfg.weighting == "activation":
+        windows = calibration_windows(calib_tokens, model_seq_len(model, cfg.seq_len), cfg.max_windows or None,
+                                      method="anybcq (weighting: activation)")
+        calib_windows = int(windows.shape[0])
+        stats = input_statistics(qmodel, windows, dict(targets), full=False, batch_size=cfg.batch_size)
+        for name, st in stats.items():
+            h = st.sq_mean.double()
+            channel_weight[name] = (h / h.mean().clamp(min=1e-30) + cfg.weight_floor).float()
     layout: dict[str, dict[str, Any]] = {}
     quantized: dict[str, torch.Tensor] = {}
     err = {k: 0.0 for k in range(cfg.min_bits, cfg.max_bits + 1)}
@@ -211,7 +295,8 @@ def compress_anybcq(model: nn.Module, cfg: AnyBCQConfig, *, calib_tokens: np.nda
             raise ValueError(f"{key} is tied to another tensor; quantizing it would change both — add {name!r} to skip")
         w = mod.weight.detach()
         planes, scales = bcq_progressive(w, min_bits=cfg.min_bits, max_bits=cfg.max_bits, group_size=cfg.group_size,
-                                         iters=cfg.iters, offset=cfg.offset)
+                                         iters=cfg.iters, offset=cfg.offset, init=cfg.init,
+                                         channel_weight=channel_weight.get(name))
         quantized[f"{key}.planes"] = pack_planes(planes)
         for k, (alpha, z) in scales.items():
             quantized[f"{key}.scales.{k}"] = alpha.half()
@@ -240,6 +325,7 @@ def compress_anybcq(model: nn.Module, cfg: AnyBCQConfig, *, calib_tokens: np.nda
         "bits_per_weight": precisions[str(cfg.bits)],
         "artifact_bits_per_weight": artifact_bits / n_quantized if n_quantized else None,
         "weight_error": {str(k): diagnostic((v / norm) ** 0.5) if norm else None for k, v in err.items()},
+        "calib_windows": calib_windows,
     }
     state_k = dequantized_state(tensors, meta)
     with torch.no_grad():

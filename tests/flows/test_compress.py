@@ -33,7 +33,7 @@ def test_overlap_is_zero_for_disjoint_text_and_one_for_the_eval_set_itself():
 
 def test_an_anybcq_artifact_gives_one_model_per_precision():
     model = tiny_llama()
-    cm = compress(model, AnyBCQConfig(bits=3, group_size=32))
+    cm = compress(model, AnyBCQConfig(bits=3, group_size=32, weighting="none"))
     got = precision_models(cm, model)
     assert [b for b, _, _ in got] == [2, 3, 4]
     assert got[1][2] is cm.model and got[0][1] < got[1][1] < got[2][1]

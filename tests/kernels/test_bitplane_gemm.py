@@ -109,7 +109,7 @@ def test_public_entry_matches_a_compressed_model_at_every_precision():
     anybcq = _anybcq()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(96, 40, bias=False), nn.Linear(40, 33, bias=False))
-    cfg = anybcq.AnyBCQConfig(bits=3, min_bits=2, max_bits=4, group_size=32, iters=2, skip=())
+    cfg = anybcq.AnyBCQConfig(bits=3, min_bits=2, max_bits=4, group_size=32, iters=2, skip=(), weighting="none")
     cm = anybcq.compress_anybcq(model, cfg)
     x = {"0": _x(2, 96, torch.float32, seed=2), "1": _x(2, 40, torch.float32, seed=3)}
     errors = []

@@ -7,8 +7,11 @@ import itertools
 import pytest
 import torch
 
+from kernels.group_quant import reference as group_quant
 from tasks.compression.anybcq import (
     AnyBCQConfig,
+    _grouped,
+    _uniform_planes,
     bcq_dequantize,
     bcq_progressive,
     compress_anybcq,
@@ -59,9 +62,59 @@ def test_plane_packing_round_trips_odd_widths():
     assert torch.equal(unpack_planes(packed, 61), planes)
 
 
+def test_uniform_start_is_the_min_max_grid_written_as_planes():
+    """Planes from the min–max grid with scales s/2, s, 2s, ... and offset lo + s (2^k - 1) / 2 give back
+    round-to-nearest on that grid: uniform quantization is the special case of BCQ the fit starts from."""
+    w = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) ** 3
+    x, m = _grouped(w, 20)
+    for bits in (2, 3, 4):
+        planes = _uniform_planes(x, m, bits, offset=True)
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        s = (hi - lo) / (2**bits - 1)
+        alpha = torch.stack([s[..., 0] * 2.0 ** (p - 1) for p in range(bits)], -1)
+        z = lo[..., 0] + s[..., 0] * (2**bits - 1) / 2
+        rebuilt = z[..., None] + torch.einsum("prgs,rgp->rgs", planes, alpha)
+        assert torch.allclose(rebuilt, lo + s * ((x - lo) / s).round(), atol=1e-5)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_uniform_start_fits_no_worse_than_rtn_at_two_bits(group_size):
+    """From the min–max grid the least-squares scales and sign rounds can only lower the error, so
+    2-bit AnyBCQ is at least as close to the weights as 2-bit RTN's grid on the same groups."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)) ** 3
+    q, scale, zero = group_quant.quantize(w, bits=2, group_size=group_size)
+    rtn = float(((w - group_quant.dequantize(q, scale, zero, group_size=group_size)) ** 2).sum())
+    planes, scales = bcq_progressive(w, min_bits=2, max_bits=2, group_size=group_size, iters=6, init="uniform")
+    bcq = float(((w - bcq_dequantize(planes, *scales[2], group_size=group_size)) ** 2).sum())
+    assert bcq < rtn
+
+
+def test_activation_weighting_protects_the_channels_that_carry_large_inputs():
+    """A layer whose channel 5 carries inputs 30x the others: weighing the least squares by E[x^2]
+    lowers the error of the layer's output, which the plain Frobenius fit does not look at."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 64, generator=gen)
+    x = torch.randn(512, 64, generator=gen)
+    x[:, 5] *= 30
+    h = (x**2).mean(0)
+    out_err = {}
+    for name, cw in (("none", None), ("activation", h / h.mean() + 1e-3)):
+        planes, scales = bcq_progressive(w, min_bits=2, max_bits=3, group_size=32, iters=6, channel_weight=cw)
+        out_err[name] = [float(((x @ (w - bcq_dequantize(planes[:k], *scales[k], group_size=32)).T) ** 2).mean())
+                         for k in (2, 3)]
+    assert all(a < 0.8 * n for a, n in zip(out_err["activation"], out_err["none"]))
+
+
+def test_activation_weighting_needs_calibration_tokens(model_and_text):
+    with pytest.raises(ValueError, match=r"anybcq \(weighting: activation\) needs calibration tokens"):
+        compress_anybcq(model_and_text[0], AnyBCQConfig(bits=2, group_size=32))
+    data_free = compress_anybcq(model_and_text[0], AnyBCQConfig(bits=2, group_size=32, weighting="none", iters=1))
+    assert data_free.meta["calib_windows"] == 0
+
+
 @pytest.fixture(scope="module")
 def artifact(model_and_text):
-    return compress_anybcq(model_and_text[0], AnyBCQConfig(bits=2, group_size=32))
+    return compress_anybcq(model_and_text[0], AnyBCQConfig(bits=2, group_size=32), calib_tokens=model_and_text[1])
 
 
 def _loss(model, tokens):
@@ -89,7 +142,7 @@ def test_one_artifact_serves_2_3_4_bits_monotonically(model_and_text, artifact, 
 
 def test_two_bit_bcq_beats_rtn_at_no_more_bits_per_weight(model_and_text):
     model, _, held_out = model_and_text
-    bcq = compress_anybcq(model, AnyBCQConfig(bits=2, group_size=64))  # 2.75 bpw
+    bcq = compress_anybcq(model, AnyBCQConfig(bits=2, group_size=64), calib_tokens=model_and_text[1])  # 2.75 bpw
     rtn = compress_rtn(model, RTNConfig(bits=2, group_size=32))  # 3.0 bpw
     assert bcq.meta["bits_per_weight"] <= rtn.meta["bits_per_weight"]
     assert _loss(bcq.model, held_out) < _loss(rtn.model, held_out)  # measured 5.46 vs 5.58
@@ -109,8 +162,9 @@ def test_precision_is_read_from_the_first_planes_only(model_and_text, artifact):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
-@pytest.mark.parametrize("bad", [{"bits": 5}, {"min_bits": 3, "max_bits": 2, "bits": 3}, {"group_size": 1}],
-                         ids=["bits_outside", "min_gt_max", "group1"])
+@pytest.mark.parametrize("bad", [{"bits": 5}, {"min_bits": 3, "max_bits": 2, "bits": 3}, {"group_size": 1},
+                                 {"init": "kmeans"}, {"weighting": "hessian"}, {"seq_len": 1}],
+                         ids=["bits_outside", "min_gt_max", "group1", "init", "weighting", "seq_len"])
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         AnyBCQConfig(**bad)
