@@ -5,32 +5,55 @@ and ``stats.json`` per variant, ``reports/curation.csv`` (one row per variant, a
 reason, ``val_decontaminated`` documents removed for repeating validation text) and
 ``reports/curation.json``; one MLflow child run per variant.
 
+Each variant goes through the sharded engine (:func:`tasks.curation.sharded.curate_corpus`) over
+the prepared train shards, ``curation.shard_docs`` documents a shard, ``curation.n_workers``
+processes (one pool for every variant; 1 = in this process), or Ray tasks under ``runner: ray``.
+The engine's resumable parts (``.shards/``) live inside the stage's temporary output folder and
+are removed once a variant is written, so ``data/curated`` holds only the files above; a killed
+stage starts its variants again (the prepared corpus is sized for the pipeline), while ``scalelab
+curate`` keeps the parts of a large corpus across runs.
+
 Rewrites are cached in ``data/rewrite_cache/`` (outside DVC's outputs), so an interrupted or
 repeated rewrite step only generates documents it has not done yet.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import polars as pl
 from prefect import flow
 
 from flows.artifacts import curation_table, publish_table
+from flows.runtime import Context
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import ConfigError, from_mapping, load_yaml
 from tasks.common.io import atomic_dir, write_json, write_parquet
 from tasks.common.lineage import data_ref, log_datasets
 from tasks.curation.decontam import ValDecontaminator
-from tasks.curation.recipes import CurationConfig, FilterCache, run_recipe
+from tasks.curation.recipes import CurationConfig, FilterCache, Recipe
 from tasks.curation.rewrite import DocumentRewriter
 
+#: A variant's stats.json: the in-memory engine's keys (:func:`tasks.curation.recipes.run_recipe`).
+#: The sharded engine's input counters (records read, quarantined) are checked, not reported:
+#: prepare already quarantined the corpus's bad records.
+VARIANT_STATS = ("docs_in", "docs_kept", "docs_dropped", "words_in", "words_kept", "tokens_in", "tokens_kept",
+                 "docs_rewritten", "dropped_by_reason", "steps")
 
-def read_prepared_train(prepared: Path) -> pl.DataFrame:
+
+def prepared_train_files(prepared: Path) -> list[Path]:
+    """The prepared train split's shard files, in order."""
     shards = sorted((prepared / "train").glob("shard-*.parquet"))
     if not shards:
         raise FileNotFoundError(f"{prepared / 'train'}: no prepared shards; run `scalelab run prepare` first")
-    return pl.concat([pl.read_parquet(s) for s in shards])
+    return shards
+
+
+def read_prepared_train(prepared: Path) -> pl.DataFrame:
+    return pl.concat([pl.read_parquet(s) for s in prepared_train_files(prepared)])
 
 
 def read_prepared_val(prepared: Path) -> pl.DataFrame:
@@ -76,6 +99,48 @@ def read_dedup_index(cfg: CurationConfig, docs: pl.DataFrame, root: Path = Path(
     return index
 
 
+@contextlib.contextmanager
+def curation_executor(ctx: Context, n_workers: int) -> Iterator[object | None]:
+    """What runs the sharded engine's work for every variant of the stage: Ray tasks under
+    ``runner: ray``, else one spawned process pool of ``n_workers`` (started once, not per
+    variant: a spawn costs seconds), or None (in this process) when ``n_workers`` is 1."""
+    if ctx.pipeline.runner == "ray":
+        from flows.ray_executor import RayExecutor
+
+        with RayExecutor(address=ctx.pipeline.ray_address, num_cpus=ctx.pipeline.ray_num_cpus) as executor:
+            yield executor
+    elif n_workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            yield pool
+    else:
+        yield None
+
+
+def curate_variant(train_files: Sequence[Path], folder: Path, recipe: Recipe, cfg: CurationConfig, *,
+                   executor=None, rewriter=None, filter_cache: FilterCache | None = None,
+                   decontaminate: ValDecontaminator | None = None, index=None) -> dict:
+    """One variant of the prepared train split through the sharded engine into ``folder``:
+    ``kept.parquet``, ``dropped.parquet`` and ``stats.json`` (:data:`VARIANT_STATS`), the same
+    as :func:`tasks.curation.recipes.run_recipe` gives on the split read whole. The engine's
+    parts and its (empty) quarantine are removed. Returns the stats."""
+    from tasks.curation.sharded import curate_corpus
+
+    stats = curate_corpus(train_files, folder, recipe, n_workers=cfg.n_workers, shard_docs=cfg.shard_docs,
+                          executor=executor, rewriter=rewriter, index=index, decontaminate=decontaminate,
+                          filter_cache=filter_cache)
+    if stats["quarantined"]:
+        raise ValueError(f"{train_files[0].parent}: {stats['quarantined']} prepared train records are not usable "
+                         f"documents ({stats['quarantined_by_reason']}); rerun `scalelab run prepare`")
+    shutil.rmtree(folder / ".shards")
+    (folder / "quarantine.parquet").unlink()
+    stats = {k: stats[k] for k in VARIANT_STATS}
+    write_json(folder / "stats.json", stats)
+    return stats
+
+
 @flow(name="curate", log_prints=True)
 def curate_flow(
     root: str = ".",
@@ -89,7 +154,7 @@ def curate_flow(
     layout = ctx.layout
     rows = []
     with stage_run(ctx, "curate", cfg) as run:
-        docs = read_prepared_train(layout.prepared)
+        train_files = prepared_train_files(layout.prepared)
         log_datasets(run, [data_ref(ctx.workdir, layout.prepared / "train", "prepared-train")], "training")
         outputs = []
         cache_dir = layout.data / "rewrite_cache"
@@ -98,32 +163,30 @@ def curate_flow(
             previous = pl.read_parquet(cache_dir / "rewrites.parquet") if (cache_dir / "rewrites.parquet").exists() else None
             rewriter = DocumentRewriter.from_config(cfg.rewrite, previous=previous)
         filter_cache = FilterCache()  # variants sharing a filter judge each text once
-        index = read_dedup_index(cfg, docs, ctx.root)
+        index = read_dedup_index(cfg, pl.concat([pl.read_parquet(f, columns=["id"]) for f in train_files]), ctx.root)
         deco = None
         if cfg.decontamination.enabled:
             deco = ValDecontaminator.from_val(read_prepared_val(layout.prepared)["text"], cfg.decontamination)
-        with atomic_dir(layout.curated) as out:
+        with atomic_dir(layout.curated) as out, curation_executor(ctx, cfg.n_workers) as executor:
             for variant in cfg.active:
                 recipe = cfg.variants[variant]
                 with stage_run(ctx.with_parent(run.ref()), "curate", run_name=f"curate:{variant}", variant=variant,
                                recipe=[s.kind for s in recipe.steps]) as child:
                     try:
-                        result = run_recipe(docs, recipe, rewriter=rewriter, filter_cache=filter_cache,
-                                            decontaminate=deco, index=index)
+                        stats = curate_variant(train_files, out / variant, recipe, cfg, executor=executor,
+                                               rewriter=rewriter, filter_cache=filter_cache, decontaminate=deco,
+                                               index=index)
                     finally:
                         if rewriter is not None:  # keep finished generations even if the step failed
                             write_parquet(cache_dir / "rewrites.parquet", rewriter.results)
-                    write_parquet(out / variant / "kept.parquet", result.kept)
-                    write_parquet(out / variant / "dropped.parquet", result.dropped)
-                    write_json(out / variant / "stats.json", result.stats)
-                    row = variant_row(variant, result.stats)
+                    row = variant_row(variant, stats)
                     child.log_metrics({k: v for k, v in row.items() if k != "variant"})
                     made = data_ref(ctx.workdir, out / variant / "kept.parquet", variant,
                                     at=layout.curated / variant / "kept.parquet")
                     log_datasets(child, [made], "output")
                     outputs.append(made)
                     rows.append(row)
-                    print(f"curate: {variant}: kept {result.stats['docs_kept']} of {result.stats['docs_in']} docs")
+                    print(f"curate: {variant}: kept {stats['docs_kept']} of {stats['docs_in']} docs")
         log_datasets(run, outputs, "output")
         write_table(ctx, "curation", rows, run)
         publish_table(run, "curation", ctx.preset, curation_table(rows), "Curation: documents kept per variant",

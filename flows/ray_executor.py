@@ -1,7 +1,9 @@
 """A ``concurrent.futures``-style executor over Ray tasks, for engines that take an ``executor``.
 
 ``RayExecutor(address=None)`` joins a cluster (or starts a local one); ``submit(fn, *args)`` runs
-``fn`` as a Ray task and returns a ``concurrent.futures.Future``.
+``fn`` as a Ray task and returns a ``concurrent.futures.Future``. Used as a context manager (or
+with :meth:`shutdown`), it stops the local cluster it started, and leaves alone one that was
+already running (a prefect-ray task runner's, another executor's).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ class RayExecutor:
     def __init__(self, address: str | None = None, num_cpus: int | None = None, **remote_options: Any):
         import ray
 
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             kwargs: dict[str, Any] = {"include_dashboard": False}
             if address:
                 kwargs["address"] = address
@@ -34,7 +37,9 @@ class RayExecutor:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        pass
+        self.shutdown()
 
     def shutdown(self, wait: bool = True) -> None:
-        pass
+        if self._owns_ray and self._ray.is_initialized():
+            self._ray.shutdown()
+        self._owns_ray = False

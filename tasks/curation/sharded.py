@@ -138,17 +138,27 @@ def check_inputs(input_paths: Sequence[str | Path]) -> tuple[list, list]:
     return jsonl, parquet
 
 
+def _input_sources(jsonl: Sequence, parquet: Sequence) -> list[JsonlSource | ParquetSource]:
+    """The sources of checked inputs, JSONL files before Parquet ones. Documents are labelled
+    ``jsonl`` or ``parquet``, or by a Parquet file's own ``source`` column when it has one (the
+    prepared split's, say)."""
+    sources: list[JsonlSource | ParquetSource] = []
+    if jsonl:
+        sources.append(JsonlSource(jsonl, name="jsonl"))
+    if parquet:
+        sources.append(ParquetSource(parquet, name="parquet", source_key="source"))
+    return sources
+
+
 def read_inputs(input_paths: Sequence[str | Path]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Documents and quarantine from JSONL (``.jsonl``/``.json``/``.ndjson``) and Parquet files or globs
     (checked first by :func:`check_inputs`), whole in memory: for small corpora and as a reference
     in tests; :func:`curate_corpus` streams them with :func:`ingest_shards` instead."""
-    jsonl, parquet = check_inputs(input_paths)
     docs, quarantine = [], []
-    for paths, cls in ((jsonl, JsonlSource), (parquet, ParquetSource)):
-        if paths:
-            d, q = read_source(cls(paths, name=cls.__name__.removesuffix("Source").lower()))
-            docs.append(d)
-            quarantine.append(q)
+    for source in _input_sources(*check_inputs(input_paths)):
+        d, q = read_source(source)
+        docs.append(d)
+        quarantine.append(q)
     docs_all, quarantine_all = pl.concat(docs), pl.concat(quarantine)
     if docs_all.height == 0 and quarantine_all.height == 0:
         raise ValueError(f"{', '.join(map(str, input_paths))}: no documents (every input is empty)")
@@ -203,10 +213,7 @@ def ingest_shards(input_paths: Sequence[str | Path], folder: Path, shard_docs: i
         if on_shard is not None:
             on_shard(path)
 
-    for paths, cls in ((jsonl, JsonlSource), (parquet, ParquetSource)):
-        if not paths:
-            continue
-        source = cls(paths, name=cls.__name__.removesuffix("Source").lower())
+    for source in _input_sources(jsonl, parquet):
         for docs, quarantine in read_source_batches(source, batch=min(shard_docs, 20_000)):
             records += docs.height + quarantine.height
             if quarantine.height:

@@ -360,17 +360,21 @@ class ParquetSource(Source):
 
     ``line`` in quarantine rows is the 1-based row number. A file without the text
     column, or with a non-string one, raises ``ValueError`` naming the file.
+    ``source_key``: a column naming each row's source, used (when a file has it and the row's
+    value is a non-empty string) instead of ``name`` — documents that were labelled already,
+    such as the prepared split's, keep their labels.
     """
 
     #: rows decoded at a time
     batch_rows = 8_192
 
     def __init__(self, paths: Sequence[str | Path], *, name: str = "parquet", text_key: str = "text",
-                 id_key: str | None = "id"):
+                 id_key: str | None = "id", source_key: str | None = None):
         self.paths = tuple(paths)
         self.name = name
         self.text_key = text_key
         self.id_key = id_key
+        self.source_key = source_key
 
     def read(self) -> Iterator[RawRecord]:
         import pyarrow.parquet as pq
@@ -382,7 +386,7 @@ class ParquetSource(Source):
             if schema[self.text_key] not in (pl.Utf8, pl.String):
                 raise ValueError(f"{path}: column {self.text_key!r} is {schema[self.text_key]}, not a string")
             wanted = {"text": self.text_key}
-            for key, col in (("id", self.id_key), ("url", "url"), ("title", "title")):
+            for key, col in (("id", self.id_key), ("url", "url"), ("title", "title"), ("source", self.source_key)):
                 if col and col in schema:
                     wanted[key] = col
             row = 0
@@ -397,7 +401,8 @@ class ParquetSource(Source):
                     user_id = get["id"][i] if "id" in get else None
                     doc_id = user_id or f"{self.name}:{label}:{row}"
                     text = get["text"][i]
-                    yield _check_text(self.name, label, row, text, text, id=doc_id,
+                    source = get["source"][i] if "source" in get and get["source"][i] else self.name
+                    yield _check_text(source, label, row, text, text, id=doc_id,
                                       url=get["url"][i] if "url" in get else None,
                                       title=get["title"][i] if "title" in get else None)
 

@@ -82,6 +82,16 @@ def test_parquet_rows_and_schema_errors(tmp_path):
         list(ParquetSource([h]).read())
 
 
+def test_parquet_source_column_labels_documents_only_when_asked(tmp_path):
+    f = tmp_path / "labelled.parquet"
+    pl.DataFrame({"text": ["a news story", "a tweet", "no label", None],
+                  "source": ["news", "tweets", None, "news"]}).write_parquet(f)
+    docs, q = read_source(ParquetSource([f], source_key="source"))
+    assert docs["source"].to_list() == ["news", "tweets", "parquet"]  # an unlabelled row: the source's name
+    assert q["source"].to_list() == ["news"]
+    assert set(read_source(ParquetSource([f]))[0]["source"]) == {"parquet"}
+
+
 def test_missing_package_names_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(sources.importlib.util, "find_spec",
