@@ -68,10 +68,11 @@ class ActivationSparsity(contextlib.AbstractContextManager):
     """
 
     def __init__(self, model: nn.Module, sites: Mapping[str, tuple[nn.Module, SiteFn]], *,
-                 meta: Mapping[str, Any] | None = None) -> None:
+                 meta: Mapping[str, Any] | None = None, around: Any = None) -> None:
         self.model = model
         self.sites = dict(sites)
         self.meta = dict(meta or {})
+        self.around = around  # applied before the hooks and reverted after them (WINA's rotation)
         self._col = {n: float(getattr(m, "out_features", 1)) for n, (m, _) in self.sites.items()}
         self._handles: list[Any] = []
         self.reset_counts()
@@ -96,6 +97,8 @@ class ActivationSparsity(contextlib.AbstractContextManager):
         if self._handles:
             raise RuntimeError("this sparsity handle is already active")
         try:
+            if self.around is not None:
+                self.around.apply()
             for name, (module, fn) in self.sites.items():
                 self._handles.append(module.register_forward_pre_hook(self._hook(name, fn)))
         except BaseException:
@@ -110,6 +113,8 @@ class ActivationSparsity(contextlib.AbstractContextManager):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.around is not None and self.around.active:
+            self.around.revert()
 
     @property
     def active(self) -> bool:

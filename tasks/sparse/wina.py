@@ -18,16 +18,21 @@ to the model-wide level, which the paper adopts).
 * ``gate_k`` (the authors' public code): only ``gate_proj`` and ``k_proj`` use column norms, the
   other sites use ``|x_i|`` alone, i.e. TEAL.
 
-**Not implemented:** the paper's optional orthogonalising transform of the weights (an SVD-based
-rotation, folded into neighbouring layers through the RMSNorm, that makes each matrix's columns
-orthogonal so the criterion above is exactly optimal). Without it WINA's criterion is the
-column-norm-weighted heuristic on the model's own weights. The authors' code also never sparsifies
-the first 1% of positions; here every position is treated alike, as in the paper's equations.
+``transform: true`` first applies the paper's orthogonalising transform
+(:mod:`tasks.sparse.rotation`): RMSNorm gains folded into the linears and the residual stream
+rotated per block so that ``k_proj`` and ``gate_proj`` have orthogonal columns, where the
+criterion is exactly optimal; the rotation is part of the handle (applied on entry, reverted on
+exit) and the calibration (thresholds, greedy allocation) runs on the rotated model. It is off by
+default so ``wina`` alone is the criterion on the model's own weights; the authors' WINA scripts
+run with it on (``transform: true, norms: gate_k``). The authors' code also never sparsifies the
+first 1% of positions; here every position is treated alike, as in the paper's equations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,6 +41,7 @@ import torch
 from torch import nn
 
 from tasks.sparse.registry import ActivationSparsity, register_sparsifier
+from tasks.sparse.rotation import OrthogonalRotation
 from tasks.sparse.teal import MagnitudeConfig, magnitude_sparsity, teal_sites
 
 ALL_LINEARS = ("*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj", "*.self_attn.o_proj",
@@ -47,12 +53,14 @@ CODE_NORM_SITES = ("*.mlp.gate_proj", "*.self_attn.k_proj")
 @dataclass(frozen=True, kw_only=True)
 class WinaConfig(MagnitudeConfig):
     """WINA's fields: those of :class:`~tasks.sparse.teal.MagnitudeConfig` (``targets`` default to
-    every linear of each block, as in the paper), and ``norms``: ``all`` (paper) or ``gate_k``
-    (the authors' code: column norms for gate and k only)."""
+    every linear of each block, as in the paper), ``norms``: ``all`` (paper) or ``gate_k``
+    (the authors' code: column norms for gate and k only), and ``transform``: apply the
+    orthogonalising rotation (:mod:`tasks.sparse.rotation`)."""
 
     method: Literal["wina"] = "wina"
     targets: tuple[str, ...] = ALL_LINEARS
     norms: Literal["all", "gate_k"] = "all"
+    transform: bool = False
 
 
 def column_norms(linear: nn.Linear) -> torch.Tensor:
@@ -73,7 +81,25 @@ def wina(model: nn.Module, cfg: WinaConfig, *, sparsity: float,
          calib_tokens: np.ndarray | None = None) -> ActivationSparsity:
     """WINA at ``sparsity`` on ``cfg.targets``; see the module docstring. Calibration tokens are
     needed for ``mode: threshold`` and ``allocation: greedy``, as for TEAL."""
-    scales = wina_scales(teal_sites(model, cfg.targets), cfg.norms)
-    handle = magnitude_sparsity(model, cfg, sparsity=sparsity, calib_tokens=calib_tokens, scales=scales)
+    rotation = rotation_of(model) if cfg.transform else None
+    with rotation if rotation is not None else contextlib.nullcontext():
+        scales = wina_scales(teal_sites(model, cfg.targets), cfg.norms)
+        handle = magnitude_sparsity(model, cfg, sparsity=sparsity, calib_tokens=calib_tokens, scales=scales)
+    handle.around = rotation
     handle.meta["norms"] = cfg.norms
+    handle.meta["transform"] = cfg.transform
     return handle
+
+
+_ROTATIONS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, OrthogonalRotation]] = weakref.WeakKeyDictionary()
+
+
+def rotation_of(model: nn.Module) -> OrthogonalRotation:
+    """The model's :class:`OrthogonalRotation`, built once per set of weights, so a sweep's levels share
+    it (and the greedy allocation, cached on the rotated weights, is searched once)."""
+    key = tuple((p.data_ptr(), p._version) for p in model.parameters())
+    cached = _ROTATIONS.get(model)
+    if cached is None or cached[0] != key:
+        cached = (key, OrthogonalRotation(model))
+        _ROTATIONS[model] = cached
+    return cached[1]

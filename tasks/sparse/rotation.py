@@ -1,0 +1,199 @@
+"""WINA's orthogonalising transform: rotate a Llama-family model so chosen weights have orthogonal columns.
+
+WINA keeps input channel ``i`` of ``y = W x`` by ``|x_i| · ‖W[:, i]‖₂``; when ``W``'s columns are
+orthogonal, ``‖W x − W x_kept‖² = Σ_dropped x_i² ‖W[:, i]‖²`` and that choice is the best ``k`` of
+the token exactly. The paper (Chen et al. 2025, §3.3) and its public code (microsoft/wina,
+``utils/tensor_transform.py``) make this hold for one matrix per sub-block by computational
+invariance, as SliceGPT does:
+
+1. fold every RMSNorm's gain into the linears it feeds (``W ← W diag(γ)``, ``γ ← 1``), so the
+   normalisation commutes with any orthogonal ``Q``: ``RMSNorm(x Q) = RMSNorm(x) Q``;
+2. per block, rotate the residual stream entering attention by ``Q_a``, the right singular vectors
+   of the (folded) ``k_proj`` weight, and the stream entering the MLP by ``Q_m``, those of
+   ``gate_proj``: readers of a stream get ``W ← W Q``, writers ``W ← Qᵀ W``, the embedding
+   ``E ← E Q_a(0)`` and the head ``W ← W Q`` of the last stream. ``k_proj Q_a = U Σ`` and
+   ``gate_proj Q_m = U Σ`` then have orthogonal columns;
+3. the residual connections change basis between the two: the attention shortcut carries
+   ``x Q_aᵀ Q_m``, the MLP shortcut ``x Q_mᵀ Q_a(next)`` (the last block keeps ``Q_m``).
+
+The rotated model computes the same function (up to float rounding). Which matrices are made
+orthogonal follows the authors' code (``k_proj`` and ``gate_proj``, the sites whose column norms
+that code uses); q, v, up share those inputs and o, down are only rotated. The code's LayerNorm
+mean-baking is left out: Llama's RMSNorm has no mean to bake, and centring the embeddings would
+change an RMSNorm model's function.
+
+:class:`OrthogonalRotation` is reversible: the rotated weights are computed once, swapped in by
+:meth:`~OrthogonalRotation.apply` (with forward hooks for the shortcuts) and swapped out by
+:meth:`~OrthogonalRotation.revert`, which restores the original parameter objects (a tied
+embedding and head are untied only while applied). It is a context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["OrthogonalRotation", "llama_parts"]
+
+_BLOCK_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@dataclass
+class LlamaParts:
+    """The modules the rotation touches."""
+
+    embed: nn.Embedding
+    layers: list[nn.Module]
+    norm: nn.Module
+    head: nn.Linear
+
+
+def _get(module: nn.Module, path: str) -> Any:
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def llama_parts(model: nn.Module) -> LlamaParts:
+    """The embedding, decoder layers, final norm and head of a Llama-family causal LM.
+
+    Raises ``ValueError`` naming the first missing module (e.g. for GPT-2 or xLSTM models).
+    """
+    name = type(model).__name__
+    base = getattr(model, "model", None)
+    for path in ("model.embed_tokens", "model.layers", "model.norm", "lm_head"):
+        if _get(model, path) is None:
+            raise ValueError(f"WINA transform: {name} has no {path}; it needs a Llama-family model "
+                             "(model.embed_tokens, model.layers[*].self_attn/mlp, model.norm, lm_head)")
+    layers = list(base.layers)
+    for i, layer in enumerate(layers):
+        for path in _BLOCK_PARTS:
+            if _get(layer, path) is None:
+                raise ValueError(f"WINA transform: {name}.model.layers[{i}] has no {path}")
+        if getattr(_get(layer, "self_attn.o_proj"), "bias", None) is not None or \
+                getattr(_get(layer, "mlp.down_proj"), "bias", None) is not None:
+            raise ValueError(f"WINA transform: {name}.model.layers[{i}]: output projections with a bias are not supported")
+    for norm in [base.norm] + [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]:
+        if getattr(norm, "bias", None) is not None or getattr(norm, "weight", None) is None:
+            raise ValueError(f"WINA transform: {type(norm).__name__} is not an RMSNorm with a gain and no bias")
+    return LlamaParts(base.embed_tokens, layers, base.norm, model.lm_head)
+
+
+def _right_singular(w: torch.Tensor) -> torch.Tensor:
+    """``V`` (in, in) of ``w = U Σ Vᵀ`` in float64: ``w V`` has orthogonal columns."""
+    return torch.linalg.svd(w.double(), full_matrices=True).Vh.T
+
+
+class OrthogonalRotation(contextlib.AbstractContextManager):
+    """The rotated weights of ``model`` and the shortcut changes of basis, ready to swap in."""
+
+    def __init__(self, model: nn.Module) -> None:
+        parts = llama_parts(model)
+        self.model = model
+        self._new: list[tuple[nn.Module, str, torch.Tensor]] = []  # (module, parameter name, rotated value)
+        self._old: list[tuple[nn.Module, str, nn.Parameter]] = []
+        self._shortcuts: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []  # (layer, S_attn, S_mlp)
+        self._handles: list[Any] = []
+        with torch.no_grad():
+            self._build(parts)
+
+    def _stage(self, module: nn.Module, value: torch.Tensor) -> None:
+        ref = module.weight
+        self._new.append((module, "weight", value.to(dtype=ref.dtype, device=ref.device)))
+
+    def _build(self, parts: LlamaParts) -> None:
+        def folded(linear: nn.Linear, norm: nn.Module) -> torch.Tensor:
+            return linear.weight.double() * norm.weight.double()[None, :]
+
+        q_in = _right_singular(folded(parts.layers[0].self_attn.k_proj, parts.layers[0].input_layernorm))
+        self._stage(parts.embed, parts.embed.weight.double() @ q_in)
+        for i, layer in enumerate(parts.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
+                self._stage(lin, folded(lin, layer.input_layernorm) @ q_in)
+            q_mid = _right_singular(folded(mlp.gate_proj, layer.post_attention_layernorm))
+            self._stage(attn.o_proj, q_mid.T @ attn.o_proj.weight.double())
+            for lin in (mlp.gate_proj, mlp.up_proj):
+                self._stage(lin, folded(lin, layer.post_attention_layernorm) @ q_mid)
+            if i + 1 < len(parts.layers):
+                nxt = parts.layers[i + 1]
+                q_out = _right_singular(folded(nxt.self_attn.k_proj, nxt.input_layernorm))
+            else:
+                q_out = q_mid
+            self._stage(mlp.down_proj, q_out.T @ mlp.down_proj.weight.double())
+            dtype = layer.input_layernorm.weight.dtype
+            self._shortcuts.append((layer, (q_in.T @ q_mid).to(dtype), (q_mid.T @ q_out).to(dtype)))
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                self._new.append((norm, "weight", torch.ones_like(norm.weight)))
+            q_in = q_out
+        self._stage(parts.head, folded(parts.head, parts.norm) @ q_in)
+        self._new.append((parts.norm, "weight", torch.ones_like(parts.norm.weight)))
+
+    # --- applying -------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return bool(self._old)
+
+    def apply(self) -> OrthogonalRotation:
+        """Swap the rotated weights in and hook the shortcuts; the model computes the same function."""
+        if self._old:
+            raise RuntimeError("this rotation is already applied")
+        try:
+            for module, name, value in self._new:
+                self._old.append((module, name, module._parameters[name]))
+                module._parameters[name] = nn.Parameter(value, requires_grad=False)
+            for layer, s_attn, s_mlp in self._shortcuts:
+                self._hook_shortcut(layer.input_layernorm, layer.self_attn, s_attn)
+                self._hook_shortcut(layer.post_attention_layernorm, layer.mlp, s_mlp)
+        except BaseException:
+            self.revert()
+            raise
+        return self
+
+    def _hook_shortcut(self, norm: nn.Module, branch: nn.Module, change: torch.Tensor) -> None:
+        """The residual ``x`` is the norm's input; the branch's output ``o`` becomes ``o + x S − x`` so
+        the decoder's ``x + o`` is ``x S + o``: the shortcut in the branch's output basis."""
+        seen: dict[str, torch.Tensor] = {}
+
+        def keep_input(module, args):
+            seen["x"] = args[0]
+
+        def add_change(module, args, out):
+            x = seen.pop("x")
+            delta = x @ change.to(x.dtype) - x
+            if isinstance(out, tuple):
+                return (out[0] + delta, *out[1:])
+            return out + delta
+
+        self._handles.append(norm.register_forward_pre_hook(keep_input))
+        self._handles.append(branch.register_forward_hook(add_change))
+
+    def revert(self) -> None:
+        """Remove the hooks and put the original parameter objects back (re-tying a tied head)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for module, name, param in reversed(self._old):
+            module._parameters[name] = param
+        self._old.clear()
+
+    def __enter__(self) -> OrthogonalRotation:
+        return self.apply()
+
+    def __exit__(self, *exc: object) -> None:
+        self.revert()
+
+    def rotated(self, module: nn.Module) -> torch.Tensor | None:
+        """The weight ``module`` has while the rotation is applied (None if it is not rotated)."""
+        for m, name, value in self._new:
+            if m is module and name == "weight":
+                return value
+        return None
