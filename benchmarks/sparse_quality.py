@@ -1,7 +1,7 @@
 """Activation-sparsity quality: TEAL against WINA, uniform against greedy allocation, at equal sparsity.
 
 Run: ``.venv/bin/python benchmarks/sparse_quality.py [--model smollm2] [--model WORKDIR/models/trained/<variant>/<run>]
-[--levels 0.25 0.4 0.5 0.65] [--sites all|mlp] [--eval-tokens 8192] [--calib-tokens 4096] [--out reports/bench]``
+[--levels 0.25 0.4 0.5 0.65] [--sites all|mlp] [--settings teal_uniform winarot_uniform ...] [--eval-tokens 8192] [--calib-tokens 4096] [--out reports/bench]``
 
 Every (method, allocation, level) is applied to the same model, sites and held-out text (SmolLM2-135M
 on the news articles of the prepared validation split, calibrated on the training split, as in
@@ -35,25 +35,38 @@ from tasks.sparse.wina import ALL_LINEARS  # noqa: E402
 SITES = {"all": list(ALL_LINEARS), "mlp": ["*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj"]}
 
 
-def settings(levels: list[float], sites: str) -> dict:
+VARIANTS = {
+    "teal": {"method": "teal"},
+    "wina": {"method": "wina"},
+    # The paper's orthogonalising transform (k_proj, gate_proj), column norms everywhere.
+    "winarot": {"method": "wina", "transform": True},
+    # The authors' WINA scripts: the transform, column norms for gate and k only.
+    "winacode": {"method": "wina", "transform": True, "norms": "gate_k"},
+}
+
+
+def settings(levels: list[float], sites: str, names: list[str] | None = None) -> dict:
     entries = {}
-    for method in ("teal", "wina"):
+    for variant, fields in VARIANTS.items():
         for allocation in ("uniform", "greedy"):
-            entries[f"{method}_{allocation}"] = {"method": method, "mode": "topk", "allocation": allocation,
-                                                 "targets": SITES[sites], "sparsities": levels}
+            name = f"{variant}_{allocation}"
+            if names is None and variant in ("teal", "wina") or names is not None and name in names:
+                entries[name] = {**fields, "mode": "topk", "allocation": allocation, "targets": SITES[sites],
+                                 "sparsities": levels}
     return parse_settings(entries)
 
 
 def goals(rows: list[dict]) -> list[str]:
     by = {(r["setting"], r["sparsity"]): r["ppl"] for r in rows}
     out = []
-    for alloc in ("uniform", "greedy"):
-        for s in sorted({r["sparsity"] for r in rows}):
-            t, w = by.get((f"teal_{alloc}", s)), by.get((f"wina_{alloc}", s))
-            if t and w:
-                ok = w <= 1.02 * t
-                out.append(f"{'PASS' if ok else 'FAIL'} WINA {alloc} @ {s:g}: ppl {w:.2f} vs TEAL {t:.2f} "
-                           f"({100 * (w / t - 1):+.1f}%; goal <= +2%)")
+    for variant in ("wina", "winarot", "winacode"):
+        for alloc in ("uniform", "greedy"):
+            for s in sorted({r["sparsity"] for r in rows}):
+                t, w = by.get((f"teal_{alloc}", s)), by.get((f"{variant}_{alloc}", s))
+                if t and w:
+                    ok = w <= 1.02 * t
+                    out.append(f"{'PASS' if ok else 'FAIL'} {variant} {alloc} @ {s:g}: ppl {w:.2f} vs TEAL {t:.2f} "
+                               f"({100 * (w / t - 1):+.1f}%; goal <= +2%)")
     t, g = by.get(("teal_uniform", 0.5)), by.get(("teal_greedy", 0.5))
     if t and g:
         out.append(f"{'PASS' if g < t else 'FAIL'} TEAL greedy @ 0.5: ppl {g:.2f} vs uniform {t:.2f}")
@@ -68,7 +81,7 @@ def run_model(spec: str, args) -> list[dict]:
     dense = math.exp(evaluate_loss(model, val, seq_len, args.batch_size))
     print(f"[{name}] dense ppl {dense:.2f} on {len(val) - 1} tokens; sites {args.sites}", flush=True)
     rows = []
-    for setting, (method, cfg) in settings(args.levels, args.sites).items():
+    for setting, (method, cfg) in settings(args.levels, args.sites, args.settings).items():
         for s in cfg.sparsities:
             t = time.perf_counter()
             with sparsify(model, cfg, sparsity=s, calib_tokens=calib) as handle:
@@ -98,6 +111,9 @@ def main() -> int:
     p.add_argument("--model", action="append", help="smollm2 or a trained model folder (repeatable; default smollm2)")
     p.add_argument("--levels", type=float, nargs="+", default=[0.25, 0.4, 0.5, 0.65])
     p.add_argument("--sites", choices=sorted(SITES), default="all")
+    p.add_argument("--settings", nargs="+", metavar="NAME",
+                   help="<variant>_<uniform|greedy> with variant in " + ", ".join(VARIANTS)
+                   + " (default: teal and wina, both allocations)")
     p.add_argument("--eval-tokens", type=int, default=8192)
     p.add_argument("--calib-tokens", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=8)
