@@ -23,6 +23,7 @@ import contextlib
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
 from prefect import flow
@@ -37,6 +38,10 @@ from tasks.curation.decontam import ValDecontaminator
 from tasks.curation.recipes import CurationConfig, FilterCache, Recipe
 from tasks.curation.rewrite import DocumentRewriter
 
+if TYPE_CHECKING:
+    from tasks.curation.dedup import DedupIndex
+    from tasks.curation.sharded import Executor
+
 #: A variant's stats.json: the in-memory engine's keys (:func:`tasks.curation.recipes.run_recipe`).
 #: The sharded engine's input counters (records read, quarantined) are checked, not reported:
 #: prepare already quarantined the corpus's bad records.
@@ -50,10 +55,6 @@ def prepared_train_files(prepared: Path) -> list[Path]:
     if not shards:
         raise FileNotFoundError(f"{prepared / 'train'}: no prepared shards; run `scalelab run prepare` first")
     return shards
-
-
-def read_prepared_train(prepared: Path) -> pl.DataFrame:
-    return pl.concat([pl.read_parquet(s) for s in prepared_train_files(prepared)])
 
 
 def read_prepared_val(prepared: Path) -> pl.DataFrame:
@@ -100,7 +101,7 @@ def read_dedup_index(cfg: CurationConfig, docs: pl.DataFrame, root: Path = Path(
 
 
 @contextlib.contextmanager
-def curation_executor(ctx: Context, n_workers: int) -> Iterator[object | None]:
+def curation_executor(ctx: Context, n_workers: int) -> Iterator[Executor | None]:
     """What runs the sharded engine's work for every variant of the stage: Ray tasks under
     ``runner: ray``, else one spawned process pool of ``n_workers`` (started once, not per
     variant: a spawn costs seconds), or None (in this process) when ``n_workers`` is 1."""
@@ -120,8 +121,9 @@ def curation_executor(ctx: Context, n_workers: int) -> Iterator[object | None]:
 
 
 def curate_variant(train_files: Sequence[Path], folder: Path, recipe: Recipe, cfg: CurationConfig, *,
-                   executor=None, rewriter=None, filter_cache: FilterCache | None = None,
-                   decontaminate: ValDecontaminator | None = None, index=None) -> dict:
+                   executor: Executor | None = None, rewriter: DocumentRewriter | None = None,
+                   filter_cache: FilterCache | None = None, decontaminate: ValDecontaminator | None = None,
+                   index: DedupIndex | None = None) -> dict:
     """One variant of the prepared train split through the sharded engine into ``folder``:
     ``kept.parquet``, ``dropped.parquet`` and ``stats.json`` (:data:`VARIANT_STATS`), the same
     as :func:`tasks.curation.recipes.run_recipe` gives on the split read whole. The engine's
@@ -163,7 +165,8 @@ def curate_flow(
             previous = pl.read_parquet(cache_dir / "rewrites.parquet") if (cache_dir / "rewrites.parquet").exists() else None
             rewriter = DocumentRewriter.from_config(cfg.rewrite, previous=previous)
         filter_cache = FilterCache()  # variants sharing a filter judge each text once
-        index = read_dedup_index(cfg, pl.concat([pl.read_parquet(f, columns=["id"]) for f in train_files]), ctx.root)
+        ids = pl.concat([pl.read_parquet(f, columns=["id"]) for f in train_files])
+        index = read_dedup_index(cfg, ids, ctx.root)
         deco = None
         if cfg.decontamination.enabled:
             deco = ValDecontaminator.from_val(read_prepared_val(layout.prepared)["text"], cfg.decontamination)
