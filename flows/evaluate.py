@@ -76,7 +76,10 @@ def score_model(model, tok, info: dict[str, Any], cfg: EvaluateConfig, requests:
 
 def logged_model_key(info: dict[str, Any]) -> str | None:
     """The ``scalelab.model_key`` of the logged model ``info`` scores (a ladder model or one of its
-    compressed artifacts, as train and compress log them); None for sparse settings and SmolLM2."""
+    compressed artifacts, as train and compress log them, or a pruned model the prune stage kept:
+    ``info["model_key"]``); None for sparse settings and SmolLM2."""
+    if info.get("model_key"):
+        return info["model_key"]
     if info.get("family") != "ladder" or info.get("sparsity") is not None:
         return None
     base = f"{info['variant']}/{info['run']}"
@@ -135,7 +138,7 @@ def score_pruned(pruned: dict, base: dict[str, Any], tok, cfg: EvaluateConfig, r
 
     model, _, _ = load_causal_lm(pruned["path"])
     info = base | {"model": f"{base['model']}:{pruned['setting']}", "method": pruned["method"],
-                   "setting": pruned["setting"], "n_params": pruned["n_params"]}
+                   "setting": pruned["setting"], "n_params": pruned["n_params"], "model_key": pruned.get("model_key")}
     return score_model(model, tok, info, cfg, requests, limit, parent)
 
 
@@ -231,7 +234,10 @@ def compressed_artifacts(ctx: Context, variant: str, run: str | None, model: str
 def pruned_models(ctx: Context, variant: str, run: str | None, model: str | None = None) -> list[dict]:
     """The prune stage's kept models of one trained run (or, with ``variant="pretrained"``, of the
     pretrained ``model``): rows of reports/pruning.csv with a ``model_path`` that exists, as
-    ``{"path", "setting" (the row's name: <setting> or <setting>+<loss>+<select>), "method", "n_params"}``."""
+    ``{"path", "setting" (the row's name: <setting> or <setting>+<loss>+<select>), "method", "n_params",
+    "model_key"}`` (``model_key``: the logged model's, :func:`flows.prune.pruned_model_key`)."""
+    from flows.prune import pruned_model_key
+
     table = ctx.layout.reports / "pruning.csv"
     if not table.exists():
         return []
@@ -245,7 +251,8 @@ def pruned_models(ctx: Context, variant: str, run: str | None, model: str | None
         if path.exists():
             recovered = r["recovery_loss"] not in (None, "none")
             name = f"{r['setting']}+{r['recovery_loss']}+{r['data_select']}" if recovered else r["setting"]
-            out.append({"path": str(path), "setting": name, "method": r["method"], "n_params": r["params"]})
+            out.append({"path": str(path), "setting": name, "method": r["method"], "n_params": r["params"],
+                        "model_key": pruned_model_key(variant, r["model"], name)})
     return out
 
 

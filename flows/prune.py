@@ -11,7 +11,9 @@ recovery_tokens, ppl, params, flops_per_token, model_path, ...); one MLflow run 
 Each recovery run's perplexity curve (``recovery.curve_every``) goes to
 ``reports/pruning_recovery.csv`` (..., step, recovery_tokens, ppl), to its MLflow run as the step
 metric ``curve_ppl`` and to ``reports/pruning/recovery.png``. The models ``pruning.save`` names are
-kept as ``from_pretrained`` folders in ``models/pruned/<variant>/<run>/<row>/`` for the evaluate stage.
+kept as ``from_pretrained`` folders in ``models/pruned/<variant>/<run>/<row>/`` for the evaluate stage
+and logged as MLflow models by reference (key ``<variant>/<run>/pruned/<row>``; ``mlflow.pyfunc`` loads
+the folder), their ppl, params and FLOPs per token linked in the Models tab.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from flows.evaluate_models import tokens_path, trained_models, val_tokens_path
 from flows.runtime import map_tasks
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.io import atomic_dir
+from tasks.common.lineage import log_model_ref
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.compression.pruning import (
     PruneTables, PruningConfig, RecoveryConfig, SaveConfig, largest_per_variant, plot_recovery_curves, prune_rows,
@@ -37,9 +40,20 @@ from tasks.training.loop import load_model, set_process_threads
 from tasks.training.tokenizer import load_tokens
 
 
-def _logger(parent: RunRef, model_name: str):
+def pruned_model_key(variant: str, model: str, row: str) -> str:
+    """The ``scalelab.model_key`` of a kept pruned model: ``raw/d32/pruned/entrodrop_l1+csd+random``
+    (beside the compress stage's ``raw/d32/<setting>``; the evaluate stage links its accuracy by it)."""
+    return f"{variant}/{model}/pruned/{row}"
+
+
+def _logger(parent: RunRef, model_name: str, workdir: str | Path = "."):
     """``log(setting, params, metrics, curve)``: one MLflow child run per row of the table, the
-    recovery curve as step metrics (``curve_ppl``, ``curve_recovery_tokens`` at each recovery step)."""
+    recovery curve as step metrics (``curve_ppl``, ``curve_recovery_tokens`` at each recovery step).
+
+    A row whose model was kept (``params["model_path"]``, relative to ``workdir``) is also logged as
+    an MLflow model by reference (:func:`tasks.common.lineage.log_model_ref`: the pyfunc loads the
+    folder, no weights are copied) with its ``ppl``, ``params``, ``flops_per_token`` and
+    ``removed_fraction`` as metrics of the row's run linked to the model."""
 
     def log(setting: str, params: dict[str, Any], metrics: dict[str, Any], curve: list[dict[str, Any]]) -> None:
         with tracked_run(f"prune:{model_name}:{setting}", uri=parent.uri, experiment=parent.experiment, parent=parent,
@@ -49,6 +63,17 @@ def _logger(parent: RunRef, model_name: str):
             for point in curve:
                 run.log_metrics({"curve_ppl": point["ppl"], "curve_recovery_tokens": point["recovery_tokens"]},
                                 step=point["step"])
+            if params.get("model_path"):
+                variant = params.get("variant") or ""
+                # the folder's final place: during the stage it is still in the atomic_dir's temporary copy
+                folder = (Path(workdir) / params["model_path"]).resolve()
+                log_model_ref(run, f"{variant}-{model_name}-pruned-{setting}",
+                              {"kind": "pruned", "model_dir": str(folder)},
+                              key=pruned_model_key(variant, model_name, setting), model_type="scalelab-pruned",
+                              params=params | {"setting": setting},
+                              metrics={"ppl": metrics.get("ppl"), "params": params.get("params"),
+                                       "flops_per_token": params.get("flops_per_token"),
+                                       "removed_fraction": params.get("removed_fraction")})
 
     return log
 
@@ -101,8 +126,8 @@ def prune_model(model_row: dict, cfg: PruningConfig, parent: RunRef, save_dir: s
                   {"source": model_row["model_dir"], "variant": model_row["variant"], "run": model_row["run"]})
     return prune_rows(model, settings=cfg.methods(), recovery=cfg.recovery, calib=calib, train=train, val=val,
                       seq_len=seq_len, batch_size=cfg.batch_size, eval_tokens=cfg.eval_tokens, base_row=base_row,
-                      log=_logger(parent, model_row["run"]), texts=lambda w: tokenizer.decode_batch(w.tolist()),
-                      save=save)
+                      log=_logger(parent, model_row["run"], workdir),
+                      texts=lambda w: tokenizer.decode_batch(w.tolist()), save=save)
 
 
 def prune_pretrained(name: str, cfg: PruningConfig, prepared: str, parent: RunRef, save_dir: str | None = None,
@@ -124,7 +149,8 @@ def prune_pretrained(name: str, cfg: PruningConfig, prepared: str, parent: RunRe
     save = _saver(cfg.save, tok, save_dir, final_dir, workdir, {"source": name, "variant": "pretrained"})
     return prune_rows(model, settings=cfg.methods(pretrained=True), recovery=recovery, calib=calib, train=rec,
                       val=val, seq_len=cfg.pretrained_seq_len, batch_size=cfg.pretrained_batch_size,
-                      eval_tokens=cfg.pretrained_eval_tokens, base_row=base_row, log=_logger(parent, PRETRAINED[name]),
+                      eval_tokens=cfg.pretrained_eval_tokens, base_row=base_row,
+                      log=_logger(parent, PRETRAINED[name], workdir),
                       texts=lambda w: tok.decode_batch(w.tolist()), save=save)
 
 

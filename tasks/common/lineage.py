@@ -355,8 +355,8 @@ def log_model_ref(
     """Log the model ``loader`` describes as an MLflow logged model, output of ``run``; return its id.
 
     ``loader`` is the pyfunc's ``model_config`` (:mod:`tasks.common.mlflow_model`): ``{"kind":
-    "trained", "model_dir": ...}`` or ``{"kind": "compressed", "file": ..., "base_dir": ...,
-    "bits": ...}`` with absolute paths. The weights stay where they are (a few kB are logged).
+    "trained", "model_dir": ...}``, ``{"kind": "compressed", "file": ..., "base_dir": ...,
+    "bits": ...}`` or ``{"kind": "pruned", "model_dir": ...}`` with absolute paths. The weights stay where they are (a few kB are logged).
     ``metrics`` are logged on ``run`` with the model's id (and ``dataset``'s name and digest, the
     data they were measured on), so the Models tab shows them; ``key`` (``raw/d16_l1-t8192``) is
     tagged ``scalelab.model_key`` for :func:`find_models`.

@@ -7,8 +7,9 @@ with each model and run at load time).
     torch_model = model.unwrap_python_model().model      # the nn.Module itself
 
 ``model_config`` (set per model by :func:`tasks.common.lineage.log_model_ref`):
-``{"kind": "trained", "model_dir": ...}`` or ``{"kind": "compressed", "file": ..., "base_dir": ...
-| "base": "smollm2", "bits": ...}``.
+``{"kind": "trained", "model_dir": ...}``, ``{"kind": "compressed", "file": ..., "base_dir": ...
+| "base": "smollm2", "bits": ...}`` or ``{"kind": "pruned", "model_dir": ...}`` (a ``from_pretrained``
+folder the prune stage kept in ``models/pruned/``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class ScalelabLM(mlflow.pyfunc.PythonModel):
 def load_lm(config: dict[str, Any]):
     """The ``nn.Module`` a logged model's ``model_config`` names (eval mode, CPU).
 
-    Raises ``ValueError`` naming the key when the config is not one of the two kinds, and
+    Raises ``ValueError`` naming the key when the config is not one of the three kinds, and
     ``FileNotFoundError`` naming the path when the workdir no longer holds the weights.
     """
     from pathlib import Path
@@ -70,7 +71,11 @@ def load_lm(config: dict[str, Any]):
             raise ValueError(f"model_config {config}: a compressed model needs `base_dir` or `base`")
         options = {"bits": int(config["bits"])} if config.get("multi_precision") else {}
         return load_compressed_model(config["file"], base, **options).eval()
-    raise ValueError(f"model_config.kind {kind!r}: expected 'trained' or 'compressed'")
+    if kind == "pruned":
+        from tasks.common.models import load_causal_lm
+
+        return load_causal_lm(config["model_dir"])[0]
+    raise ValueError(f"model_config.kind {kind!r}: expected 'trained', 'compressed' or 'pruned'")
 
 
 set_model(ScalelabLM())

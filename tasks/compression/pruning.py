@@ -289,7 +289,8 @@ def prune_rows(
     ``log(name, params, metrics, curve)`` is called once per row (the stage's MLflow run; ``curve``
     is the run's curve rows, empty for the dense and pruned rows). ``save(name, model)`` is offered
     every pruned and recovered model (``name``: ``<setting>`` or ``<setting>+<loss>+<select>``) and
-    returns where it kept it, recorded as the row's ``model_path`` (None: not kept).
+    returns where it kept it, recorded as the row's ``model_path`` (None: not kept) and passed to
+    ``log`` in ``params`` (after ``save``, so the stage can log the kept model by reference).
     """
 
     def ppl(m: nn.Module) -> float:
@@ -326,9 +327,10 @@ def prune_rows(
                           "flops_per_token": forward_flops_per_token(pruned, seq_len)}
         first = {"recovery_loss": "none", "data_select": "none", "recovery_steps": 0, "recovery_tokens": 0,
                  "ppl": ppl(pruned), "seconds": round(time.perf_counter() - t, 2)}
-        rows.append(row | first | {"model_path": save(setting, pruned) if save else None})
+        kept = save(setting, pruned) if save else None
+        rows.append(row | first | {"model_path": kept})
         if log:
-            log(setting, row | {"config": to_dict(cfg)}, first, [])
+            log(setting, row | {"config": to_dict(cfg), "model_path": kept}, first, [])
         chosen = {d: select_windows(d, model, pruned, windows, k, recovery, embeddings) for d in recovery.data_select}
         for loss, select in recovery.runs():
             t = time.perf_counter()
@@ -349,9 +351,10 @@ def prune_rows(
                                   "curve": f"{base_row.get('variant', '')}/{base_row.get('model', '')}:{name}"}
                       for step, tokens, value in curve.evals]
             curves += points
-            rows.append(row | rec | {"model_path": save(name, student.eval()) if save else None})
+            kept = save(name, student.eval()) if save else None
+            rows.append(row | rec | {"model_path": kept})
             if log:
-                log(name, row | {"recovery": to_dict(recovery)}, rec, points)
+                log(name, row | {"recovery": to_dict(recovery), "model_path": kept}, rec, points)
             del student
         del result, pruned
     return PruneTables(rows, curves)

@@ -214,7 +214,7 @@ def test_pruned_models_are_scored_downstream_against_their_base(ci_run):
 
 def test_mlflow_records_lineage_models_and_registry(ci_run):
     """Datasets with DVC digests on every run that reads data, git/params tags, logged models with
-    their metrics (trained and compressed), one registry alias per series and budget."""
+    their metrics (trained, compressed and pruned), one registry alias per series and budget."""
     workdir, _ = ci_run
     from tasks.common.lineage import GIT_DIRTY, PARAMS_HASH, file_md5
 
@@ -244,6 +244,13 @@ def test_mlflow_records_lineage_models_and_registry(ci_run):
     assert all({"val_loss", "ppl"} <= {x.key for x in m.metrics} for m in trained)
     assert all({"val_loss", "bits_per_weight"} <= {x.key for x in m.metrics} for m in compressed)
     assert any(x.key.startswith("acc_") for m in trained for x in m.metrics)
+    # the pruned models pruning.save kept, with their prune metrics and the evaluate stage's accuracy
+    kept = pl.read_csv(workdir / "reports" / "pruning.csv", infer_schema_length=None).filter(
+        pl.col("model_path").is_not_null())
+    pruned = [m for m in models if m.model_type == "scalelab-pruned"]
+    assert len(pruned) == kept.height > 0
+    assert all({"ppl", "params", "flops_per_token"} <= {x.key for x in m.metrics} for m in pruned)
+    assert all(any(x.key.startswith("acc_") for x in m.metrics) for m in pruned)
     # one alias per series and token budget
     for series in set(train["variant"]):
         for tokens in set(train["tokens"]):
