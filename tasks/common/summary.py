@@ -36,8 +36,8 @@ REPORT_FILES: dict[str, str] = {
     "fits.json": "fit",
     "compute_optimal.csv": "fit",
 }
-# Optional extras: read when present, never reported missing.
-OPTIONAL_FILES = ("downstream_comparisons.csv",)
+# Optional extras: read when present, never reported missing (the prune stage is not part of every run).
+OPTIONAL_FILES = ("downstream_comparisons.csv", "pruning.csv")
 # Columns the summary needs from each CSV (a file without one is refused, naming it).
 REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
     "curation.csv": ("variant", "docs_in", "docs_kept", "tokens_kept"),
@@ -48,6 +48,7 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
     "compute_optimal.csv": ("variant", "C", "N_opt", "D_opt", "tokens_per_param", "tokens_per_param_ci_low",
                             "tokens_per_param_ci_high", "loss_pred", "inside_measured_range"),
     "downstream_comparisons.csv": ("verdict",),
+    "pruning.csv": ("variant", "model", "setting", "method", "removed_fraction", "recovery_loss", "data_select", "ppl"),
 }
 LAW_PARAMS = ("E", "alpha", "beta")
 # compress.csv rows of the pretrained model (SmolLM2) carry this variant
@@ -427,6 +428,61 @@ def sparse_section(reports: Reports) -> tuple[Section, list[str]]:
     return sec, ["Sparse, best per level (median rise in loss): " + "; ".join(best_lines) + "."]
 
 
+def pruning_table(pruning: pl.DataFrame) -> list[dict[str, Any]]:
+    """Per pruned model (``variant/model`` and setting): its method, removed share of the parameters,
+    the dense model's and the pruned model's perplexity, and the recovery run (loss, data selector)
+    that ended lowest, with its perplexity (None when no recovery ran or none is finite)."""
+    f = pruning.with_columns(pl.col("ppl").cast(pl.Float64), pl.col("removed_fraction").cast(pl.Float64),
+                             pl.col("recovery_loss").cast(pl.String), pl.col("data_select").cast(pl.String),
+                             pl.concat_str(pl.col("variant").cast(pl.String), pl.lit("/"),
+                                           pl.col("model").cast(pl.String)).alias("pruned_from"))
+    dense = {r["pruned_from"]: r["ppl"] for r in f.filter(pl.col("method") == "dense").iter_rows(named=True)}
+    out = []
+    for (name, setting), g in f.filter(pl.col("method") != "dense").group_by("pruned_from", "setting",
+                                                                           maintain_order=True):
+        pruned = g.filter(pl.col("recovery_loss") == "none")
+        recovered = g.filter((pl.col("recovery_loss") != "none") & pl.col("ppl").is_finite()).sort("ppl")
+        best = recovered.row(0, named=True) if recovered.height else None
+        first = (pruned if pruned.height else g).row(0, named=True)
+        out.append({"model": name, "setting": setting, "method": first["method"],
+                    "removed_fraction": first["removed_fraction"], "ppl_dense": dense.get(name),
+                    "ppl_pruned": pruned["ppl"][0] if pruned.height else None,
+                    "ppl_recovered": best["ppl"] if best else None,
+                    "recovery_loss": best["recovery_loss"] if best else None,
+                    "data_select": best["data_select"] if best else None})
+    return out
+
+
+def pruning_section(reports: Reports) -> tuple[Section, list[str]]:
+    pruning = reports.tables["pruning.csv"]
+    sec = Section("Pruning and recovery (validation perplexity)",
+                  ["model", "setting", "method", "removed", "ppl dense", "ppl pruned", "best recovered",
+                   "loss", "data"])
+    if not pruning.height:
+        sec.notes.append("pruning.csv has no rows (no pruning setting enabled).")
+        return sec, []
+    rows = pruning_table(pruning)
+    for r in rows:
+        sec.rows.append([r["model"], r["setting"], r["method"], f"{r['removed_fraction']:.1%}"
+                         if r["removed_fraction"] is not None and math.isfinite(r["removed_fraction"]) else "—",
+                         _fmt(r["ppl_dense"]), _fmt(r["ppl_pruned"]), _fmt(r["ppl_recovered"]),
+                         r["recovery_loss"] or "—", r["data_select"] or "—"])
+    sec.notes.append("removed: share of the dense model's parameters. best recovered: the lowest perplexity over "
+                     "the recovery runs (distillation loss, data selector) from that pruned model.")
+    if (reports.folder / "pruning_recovery.csv").exists():
+        sec.notes.append("Perplexity during each recovery run: pruning_recovery.csv"
+                         + (" and the plot below." if (reports.folder / "pruning" / "recovery.png").exists() else "."))
+    sec.plots += _existing(reports, ["pruning/recovery.png"])
+    done = [r for r in rows if r["ppl_recovered"] is not None]
+    if not done:
+        return sec, []
+    best = min(done, key=lambda r: r["ppl_recovered"])
+    return sec, [f"Pruning: {best['model']} {best['setting']} ({best['removed_fraction']:.1%} of the parameters "
+                 f"removed) went from perplexity {_fmt(best['ppl_dense'])} to {_fmt(best['ppl_pruned'])}, and "
+                 f"{_fmt(best['ppl_recovered'])} after recovery by {best['recovery_loss']} on "
+                 f"{best['data_select']} windows (the lowest recovered perplexity)."]
+
+
 def downstream_section(reports: Reports) -> tuple[Section, list[str]]:
     down = reports.tables["downstream.csv"]
     sec = Section("Downstream accuracy (uncompressed models; 95% Wilson intervals)",
@@ -474,7 +530,8 @@ def build_summary(reports: Reports) -> Summary:
     # (any of these files present -> the section)
     for needs, make in ((("fits.json",), law_section), (("fits.json", "train.csv"), winner_section),
                         (("compute_optimal.csv",), compute_optimal_section), (("compress.csv",), compression_section),
-                        (("sparse_eval.csv",), sparse_section), (("downstream.csv",), downstream_section)):
+                        (("sparse_eval.csv",), sparse_section), (("pruning.csv",), pruning_section),
+                        (("downstream.csv",), downstream_section)):
         if present & set(needs):
             sec, lines = make(reports)
             sections.append(sec)

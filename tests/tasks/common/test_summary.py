@@ -143,6 +143,53 @@ def test_missing_files_are_named_and_what_exists_is_summarised(tmp_path: Path, c
         load_reports(tmp_path / "elsewhere")
 
 
+def pruning_rows() -> list[dict]:
+    """reports/pruning.csv as the prune stage writes it: a dense row, then per setting the pruned row and
+    one row per recovery run (loss, data selector); one setting whose recovery diverged."""
+    base = {"variant": "raw", "model": "d64_l3", "run": "d64_l3", "granularity": "layer"}
+    rows = [base | {"setting": "dense", "method": "dense", "removed_fraction": 0.0, "recovery_loss": "none",
+                    "data_select": "none", "ppl": 20.0, "params": 1000, "model_path": None}]
+    for setting, method, frac, ppl, recovered in (
+            ("entrodrop_l1", "entrodrop", 0.25, 40.0, {("csd", "random"): 30.0, ("kl", "random"): 28.0,
+                                                       ("csd", "paser"): 29.0}),
+            ("cosine_l1", "cosine_drop", 0.25, 50.0, {("csd", "random"): float("nan")})):
+        rows.append(base | {"setting": setting, "method": method, "removed_fraction": frac, "recovery_loss": "none",
+                            "data_select": "none", "ppl": ppl, "params": 750, "model_path": None})
+        rows += [base | {"setting": setting, "method": method, "removed_fraction": frac, "recovery_loss": loss,
+                         "data_select": select, "ppl": v, "params": 750,
+                         "model_path": f"models/pruned/raw/d64_l3/{setting}+{loss}+{select}"}
+                 for (loss, select), v in recovered.items()]
+    return rows
+
+
+def test_pruning_section_gives_the_best_recovery_per_pruned_model(tmp_path: Path):
+    reports = make_reports(tmp_path / "reports")
+    # no prune stage: no section, and pruning.csv is not reported missing
+    summary = build_summary(load_reports(reports))
+    assert not any(s.title.startswith("Pruning") for s in summary.sections) and summary.missing == []
+    pl.DataFrame(pruning_rows()).write_csv(reports / "pruning.csv")
+    summary = build_summary(load_reports(reports))
+    sec = next(s for s in summary.sections if s.title.startswith("Pruning"))
+    assert sec.rows == [["raw/d64_l3", "entrodrop_l1", "entrodrop", "25.0%", "20", "40", "28", "kl", "random"],
+                        ["raw/d64_l3", "cosine_l1", "cosine_drop", "25.0%", "20", "50", "—", "—", "—"]]
+    assert sec.plots == [] and not any("pruning_recovery.csv" in n for n in sec.notes)
+    assert ("Pruning: raw/d64_l3 entrodrop_l1 (25.0% of the parameters removed) went from perplexity 20 to 40, "
+            "and 28 after recovery by kl on random windows (the lowest recovered perplexity).") in summary.headline
+    # with the recovery curves and their plot: pointed to, and the plot embedded
+    (reports / "pruning_recovery.csv").write_text("step,ppl\n0,40\n")
+    (reports / "pruning").mkdir()
+    (reports / "pruning" / "recovery.png").write_bytes(b"\x89PNG")
+    summary, path = write_summary(reports)
+    md = path.read_text()
+    assert "## Pruning and recovery (validation perplexity)" in md
+    assert "| raw/d64_l3 | entrodrop_l1 | entrodrop | 25.0% | 20 | 40 | 28 | kl | random |" in md
+    assert "pruning_recovery.csv and the plot below." in md and "![recovery](pruning/recovery.png)" in md
+    # a prune stage with no settings writes an empty file: a note, no table
+    (reports / "pruning.csv").write_text("")
+    sec = next(s for s in build_summary(load_reports(reports)).sections if s.title.startswith("Pruning"))
+    assert sec.rows == [] and sec.notes == ["pruning.csv has no rows (no pruning setting enabled)."]
+
+
 def test_bad_files_are_refused_naming_the_file_and_key(tmp_path: Path):
     reports = make_reports(tmp_path / "reports")
     pl.read_csv(reports / "train.csv").drop("val_loss").write_csv(reports / "train.csv")
