@@ -6,7 +6,10 @@ Run: ``scalelab select [--preset ci]`` (or ``scalelab run select``, what dvc.yam
 other stage's output. Writes ``reports/ddcf.csv`` (setting, target, method, k, labels_used,
 accuracy, repeat, selected_pool_accuracy; rows of every setting), ``reports/ddcf.json`` (the
 resolved config, the metrics, and per setting the pool models and their seed accuracy), and one
-MLflow child run per row of the table.
+MLflow child run per row of the table (``select:<setting>:<target>:<method>@<k>[#<repeat>]``). The
+stage run's metrics name their setting first (``<setting>.<name>``; the mean accuracy over repeats is
+``accuracy.<setting>.<target>.<method>.k<k>``), so two settings with a target of the same name do not
+overwrite each other.
 """
 
 from __future__ import annotations
@@ -18,6 +21,26 @@ from tasks.common.config import to_dict
 from tasks.common.io import write_json
 from tasks.common.tracking import tracked_run
 from tasks.curation.ddcf import SelectConfig, SettingResult, run_arithmetic_setting, summarize
+
+
+def setting_metrics(setting: str, metrics: dict[str, float | None]) -> dict[str, float | None]:
+    """``metrics`` of one setting's result under the setting's name: ``n_pool_models`` ->
+    ``arithmetic.n_pool_models``; a key that already starts with ``<setting>.`` is kept."""
+    return {k if k.startswith(f"{setting}.") else f"{setting}.{k}": v for k, v in metrics.items()}
+
+
+def accuracy_metrics(rows: list[dict]) -> dict[str, float]:
+    """The mean test accuracy over repeats per (setting, target, method, k), one stage-level metric
+    each: ``accuracy.<setting>.<target>.<method>.k<k>``."""
+    return {f"accuracy.{r['setting']}.{r['target']}.{r['method']}.k{r['k']}": r["accuracy"]
+            for r in summarize(rows).iter_rows(named=True)}
+
+
+def child_run_name(row: dict) -> str:
+    """The MLflow run of one row of reports/ddcf.csv: ``select:<setting>:<target>:<method>@<k>``,
+    then ``#<repeat>`` from the second repeat on."""
+    return (f"select:{row['setting']}:{row['target']}:{row['method']}@{row['k']}"
+            + (f"#{row['repeat']}" if row["repeat"] else ""))
 
 
 def run_setting(cfg: SelectConfig, setting: str) -> SettingResult:
@@ -41,7 +64,7 @@ def select_flow(
     with stage_run(ctx, "select", cfg) as run:
         results = {setting: run_setting(cfg, setting) for setting in cfg.settings}
         rows = [r for res in results.values() for r in res.rows]
-        metrics = {k: v for res in results.values() for k, v in res.metrics.items()}
+        metrics = {k: v for setting, res in results.items() for k, v in setting_metrics(setting, res.metrics).items()}
         write_table(ctx, "ddcf", rows, run)
         summary = ctx.layout.reports / "ddcf.json"
         write_json(summary, {"config": to_dict(cfg), "metrics": metrics,
@@ -52,11 +75,9 @@ def select_flow(
                                           for s, res in results.items()}})
         run.log_artifact(summary, "reports")
         run.log_metrics(metrics)
-        # the mean over repeats per (setting, target, method, k), as one stage-level metric each
-        run.log_metrics({f"accuracy.{r['target']}.{r['method']}.k{r['k']}": r["accuracy"]
-                         for r in summarize(rows).iter_rows(named=True)})
+        run.log_metrics(accuracy_metrics(rows))
         for row in rows:
-            name = f"select:{row['target']}:{row['method']}@{row['k']}" + (f"#{row['repeat']}" if row["repeat"] else "")
+            name = child_run_name(row)
             params = {"stage": "select", "preset": ctx.preset, "setting": row["setting"], "target": row["target"],
                       "method": row["method"], "k": row["k"], "repeat": row["repeat"]}
             with tracked_run(name, uri=ctx.tracking_uri, experiment=ctx.experiment, parent=run.ref(),

@@ -1,5 +1,6 @@
 """The select flow with setting (b) on a tiny local model: reports/ddcf.csv rows carry their
-setting, reports/ddcf.json records the pool per setting."""
+setting, reports/ddcf.json records the pool per setting; metric and run names carry the setting, so
+two settings with a target of the same name stay apart."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ import json
 import shutil
 from pathlib import Path
 
+import mlflow
+import numpy as np
 import polars as pl
+import pytest
 import torch
+
+from flows.select import accuracy_metrics, child_run_name, setting_metrics
+from tasks.curation.ddcf import SettingResult
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,3 +70,57 @@ presets: {{}}
     assert summary["settings"]["olmo_eval"]["pool_models"] == ["target:rtn3", "target:rtn2g16", "target:drop1"]
     assert summary["config"]["olmo_eval"]["pool"] == ["rtn3", "rtn2g16", "drop1"]
     assert out["metrics"]["olmo_eval.target.predictor_auc"] == summary["metrics"]["olmo_eval.target.predictor_auc"]
+
+
+def _result(setting: str, target: str, accuracy: float) -> SettingResult:
+    """One setting's result with a target named ``target``: its base row and two random repeats."""
+    rows = [dict(setting=setting, target=target, method="base", k=0, labels_used=0, accuracy=accuracy, repeat=0,
+                 selected_pool_accuracy=None)]
+    rows += [dict(setting=setting, target=target, method="random", k=3, labels_used=3, accuracy=accuracy + 0.1 * r,
+                  repeat=r, selected_pool_accuracy=0.5) for r in (0, 1)]
+    metrics = {f"{target}.predictor_auc": accuracy, "n_pool_models": 2.0}  # as setting (a) names them
+    return SettingResult(rows=rows, metrics=metrics, matrix=np.ones((2, 4), dtype=np.int8), pool_models=["a", "b"])
+
+
+def test_names_carry_the_setting():
+    rows = _result("arithmetic", "t", 0.2).rows + _result("olmo_eval", "t", 0.4).rows
+    assert accuracy_metrics(rows) == pytest.approx({
+        "accuracy.arithmetic.t.base.k0": 0.2, "accuracy.arithmetic.t.random.k3": 0.25,
+        "accuracy.olmo_eval.t.base.k0": 0.4, "accuracy.olmo_eval.t.random.k3": 0.45})
+    assert [child_run_name(r) for r in rows] == [
+        "select:arithmetic:t:base@0", "select:arithmetic:t:random@3", "select:arithmetic:t:random@3#1",
+        "select:olmo_eval:t:base@0", "select:olmo_eval:t:random@3", "select:olmo_eval:t:random@3#1"]
+    # setting (b) already prefixes its metrics; setting (a)'s get the prefix
+    assert setting_metrics("arithmetic", {"t.predictor_auc": 0.5, "n_pool_models": 2.0}) == {
+        "arithmetic.t.predictor_auc": 0.5, "arithmetic.n_pool_models": 2.0}
+    assert setting_metrics("olmo_eval", {"olmo_eval.t.predictor_auc": 0.5}) == {"olmo_eval.t.predictor_auc": 0.5}
+
+
+def test_two_settings_with_the_same_target_keep_distinct_metrics(prefect_harness, tmp_path: Path, monkeypatch):
+    """Both settings run (stubbed) with a target named ``t``: the stage run has both settings'
+    accuracy metrics, ddcf.json both settings' metrics, and each row its own child run."""
+    import flows.select
+    from tasks.common.tracking import WORKDIR_TAG, tracking_uri
+
+    accuracy = {"arithmetic": 0.2, "olmo_eval": 0.4}
+    monkeypatch.setattr(flows.select, "run_setting", lambda cfg, setting: _result(setting, "t", accuracy[setting]))
+    root = tmp_path / "root"
+    shutil.copytree(ROOT / "params", root / "params")
+    text = (root / "params" / "select.yaml").read_text()
+    (root / "params" / "select.yaml").write_text(text.replace("settings: [arithmetic]", "settings: [arithmetic, olmo_eval]", 1))
+    workdir = tmp_path / "work"
+    out = flows.select.select_flow(root=str(root), preset="ci", workdir=str(workdir))
+    assert out["metrics"] == {"arithmetic.t.predictor_auc": 0.2, "arithmetic.n_pool_models": 2.0,
+                              "olmo_eval.t.predictor_auc": 0.4, "olmo_eval.n_pool_models": 2.0}
+    summary = json.loads((workdir / "reports" / "ddcf.json").read_text())
+    assert summary["metrics"] == out["metrics"]
+    client = mlflow.MlflowClient(tracking_uri(workdir))
+    runs = client.search_runs([client.get_experiment_by_name("scalelab").experiment_id], max_results=100)
+    # the store may be the session's: this workdir's stage run
+    (stage,) = [r for r in runs if r.info.run_name == "select"
+                and Path(r.data.tags.get(WORKDIR_TAG, "/nonexistent")).resolve() == workdir.resolve()]
+    accuracies = {k: v for k, v in stage.data.metrics.items() if k.startswith("accuracy.")}
+    assert accuracies == pytest.approx({"accuracy.arithmetic.t.base.k0": 0.2, "accuracy.arithmetic.t.random.k3": 0.25,
+                                        "accuracy.olmo_eval.t.base.k0": 0.4, "accuracy.olmo_eval.t.random.k3": 0.45})
+    children = sorted(r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == stage.info.run_id)
+    assert children == sorted(child_run_name(r) for r in out["rows"]) and len(set(children)) == 6
