@@ -167,7 +167,8 @@ def read_inputs(input_paths: Sequence[str | Path]) -> tuple[pl.DataFrame, pl.Dat
 
 def _fingerprint(input_paths: Sequence[str | Path], recipe: Recipe, shard_docs: int) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps({"recipe": to_dict(recipe), "shard_docs": shard_docs}, sort_keys=True).encode())
+    # parts: the layout of the part folders (2: a dropped file per step), so older parts are not read
+    h.update(json.dumps({"recipe": to_dict(recipe), "shard_docs": shard_docs, "parts": 2}, sort_keys=True).encode())
     for p in input_paths:
         h.update(str(p).encode())
     return h.hexdigest()
@@ -259,9 +260,13 @@ def _segments(recipe: Recipe) -> list[tuple[bool, tuple]]:
     return out
 
 
-def _write_part(folder: Path, kept: pl.DataFrame, dropped: pl.DataFrame, info: list[dict]) -> None:
+def _write_part(folder: Path, kept: pl.DataFrame, dropped: Sequence[pl.DataFrame], info: list[dict]) -> None:
+    """A local segment's part of one shard: kept documents and one dropped file per step
+    (``dropped-<j>.parquet``), so the final dropped file lists the documents step by step, as the
+    in-memory recipe does, rather than shard by shard."""
     write_parquet(folder / "kept.parquet", kept)
-    write_parquet(folder / "dropped.parquet", dropped)
+    for j, d in enumerate(dropped):
+        write_parquet(folder / f"dropped-{j:02d}.parquet", d)
     write_json(folder / "steps.json", info)
     fault_point("sharded.part")
     write_text(folder / MARKER, "ok\n")  # written last: its presence means the part is complete
@@ -275,7 +280,7 @@ def _run_local_shard(shard: str, steps: tuple, folder: str, token_count: TokenCo
         kept, d, info = apply_step(kept, s, token_count=token_count, filter_cache=filter_cache)
         dropped.append(d)
         infos.append(info)
-    _write_part(Path(folder), kept, pl.concat(dropped) if dropped else pl.DataFrame(schema=DROPPED_SCHEMA), infos)
+    _write_part(Path(folder), kept, dropped, infos)
     return kept.height
 
 
@@ -664,7 +669,7 @@ def curate_corpus(
                 raise RuntimeError(f"{len(errors)} of {len(files)} shards failed in segment {k}; "
                                    f"finished shards are kept under {parts} for a rerun") from errors[0]
             files = [f / "kept.parquet" for f in folders]
-            dropped_files += [f / "dropped.parquet" for f in folders]
+            dropped_files += [f / f"dropped-{j:02d}.parquet" for j in range(len(steps)) for f in folders]
             step_infos.extend(_merge_infos([read_json(f / "steps.json") for f in folders]))
 
         final = parts / "final"

@@ -31,13 +31,15 @@ def prose(rng: random.Random, n_sentences: int = 8) -> str:
 
 
 def write_prepared(workdir: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """A prepared layout (two train shard files, a val split) of 450 documents: exact copies
-    and short texts in different engine shards (ci: 200 documents a shard), and train documents
-    that repeat a validation document."""
+    """A prepared layout (two train shard files, a val split) of 450 documents: exact copies,
+    short texts and repetitive texts in different engine shards (ci: 200 documents a shard), and
+    train documents that repeat a validation document."""
     rng = random.Random(14)
     texts = [prose(rng) for _ in range(450)]
     for i in range(0, 450, 37):
         texts[i] = f"A short note, number {i}."
+    for i in range(20, 450, 61):
+        texts[i] = f"Item {i}. " + "The river closed the market and went to the school. " * 8
     for i in (30, 230, 420):
         texts[i] = texts[5]  # exact copies across shards; the lowest id survives
     val_texts = [texts[100], texts[300].upper(), prose(rng)]
@@ -81,5 +83,7 @@ def test_curate_stage_equals_the_in_memory_recipe_for_every_ci_variant(prefect_h
         assert run.data.metrics["docs_kept"] == ref.stats["docs_kept"]
     dedup = json.loads((curated / "dedup_gopher" / "stats.json").read_text())["dropped_by_reason"]
     assert dedup["exact_dedup.duplicate"] == 3 and dedup["gopher_quality.word_count"] == 13
+    # both per-document steps drop in every shard: dropped.parquet lists them step by step
+    assert sum(n for r, n in dedup.items() if r.startswith("gopher_repetition")) == 8
     report = json.loads((tmp_path / "reports" / "curation.json").read_text())
     assert report == {r["variant"]: {k: v for k, v in r.items() if k != "variant"} for r in rows}
