@@ -14,7 +14,9 @@ invariance, as SliceGPT does:
    ``E ← E Q_a(0)`` and the head ``W ← W Q`` of the last stream. ``k_proj Q_a = U Σ`` and
    ``gate_proj Q_m = U Σ`` then have orthogonal columns;
 3. the residual connections change basis between the two: the attention shortcut carries
-   ``x Q_aᵀ Q_m``, the MLP shortcut ``x Q_mᵀ Q_a(next)`` (the last block keeps ``Q_m``).
+   ``x Q_aᵀ Q_m``, the MLP shortcut ``x Q_mᵀ Q_a(next)`` (the last block keeps ``Q_m``). The
+   decoder layers run a forward that applies these (Llama's, which the whole family shares:
+   pre-norm attention and MLP with residual adds).
 
 The rotated model computes the same function (up to float rounding). Which matrices are made
 orthogonal follows the authors' code (``k_proj`` and ``gate_proj``, the sites whose column norms
@@ -23,7 +25,7 @@ mean-baking is left out: Llama's RMSNorm has no mean to bake, and centring the e
 change an RMSNorm model's function.
 
 :class:`OrthogonalRotation` is reversible: the rotated weights are computed once, swapped in by
-:meth:`~OrthogonalRotation.apply` (with forward hooks for the shortcuts) and swapped out by
+:meth:`~OrthogonalRotation.apply` (with the layers' shortcut forwards) and swapped out by
 :meth:`~OrthogonalRotation.revert`, which restores the original parameter objects (a tied
 embedding and head are untied only while applied). It is a context manager.
 """
@@ -31,6 +33,7 @@ embedding and head are untied only while applied). It is a context manager.
 from __future__ import annotations
 
 import contextlib
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +103,7 @@ class OrthogonalRotation(contextlib.AbstractContextManager):
         self._new: list[tuple[nn.Module, str, torch.Tensor]] = []  # (module, parameter name, rotated value)
         self._old: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._shortcuts: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []  # (layer, S_attn, S_mlp)
-        self._handles: list[Any] = []
+        self._forwards: list[tuple[nn.Module, Any]] = []  # (layer, its own forward attribute or None)
         with torch.no_grad():
             self._build(parts)
 
@@ -140,47 +143,51 @@ class OrthogonalRotation(contextlib.AbstractContextManager):
 
     @property
     def active(self) -> bool:
-        return bool(self._old)
+        return bool(self._old or self._forwards)
 
     def apply(self) -> OrthogonalRotation:
         """Swap the rotated weights in and hook the shortcuts; the model computes the same function."""
-        if self._old:
+        if self._old or self._forwards:
             raise RuntimeError("this rotation is already applied")
         try:
             for module, name, value in self._new:
                 self._old.append((module, name, module._parameters[name]))
                 module._parameters[name] = nn.Parameter(value, requires_grad=False)
             for layer, s_attn, s_mlp in self._shortcuts:
-                self._hook_shortcut(layer.input_layernorm, layer.self_attn, s_attn)
-                self._hook_shortcut(layer.post_attention_layernorm, layer.mlp, s_mlp)
+                self._patch_forward(layer, s_attn, s_mlp)
         except BaseException:
             self.revert()
             raise
         return self
 
-    def _hook_shortcut(self, norm: nn.Module, branch: nn.Module, change: torch.Tensor) -> None:
-        """The residual ``x`` is the norm's input; the branch's output ``o`` becomes ``o + x S − x`` so
-        the decoder's ``x + o`` is ``x S + o``: the shortcut in the branch's output basis."""
-        seen: dict[str, torch.Tensor] = {}
+    def _patch_forward(self, layer: nn.Module, s_attn: torch.Tensor, s_mlp: torch.Tensor) -> None:
+        """Run ``layer`` as Llama's decoder layer does, with the residual carried into each branch's
+        output basis: ``h = x S_attn + attn(norm(x))``, ``out = h S_mlp + mlp(norm(h))``. An
+        instance attribute shadows the class's ``forward``; the branches and norms stay the model's
+        own modules, so hooks on them and calls of them alone (TEAL's greedy search) are unchanged."""
 
-        def keep_input(module, args):
-            seen["x"] = args[0]
+        def forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = False,
+                    position_embeddings: Any = None, **kwargs: Any) -> torch.Tensor:
+            if cache is None:
+                cache = kwargs.pop("past_key_values", None)
+            h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                  position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                  position_embeddings=position_embeddings, **kwargs)
+            h = hidden_states @ s_attn.to(hidden_states.dtype) + h
+            return h @ s_mlp.to(h.dtype) + self.mlp(self.post_attention_layernorm(h))
 
-        def add_change(module, args, out):
-            x = seen.pop("x")
-            delta = x @ change.to(x.dtype) - x
-            if isinstance(out, tuple):
-                return (out[0] + delta, *out[1:])
-            return out + delta
-
-        self._handles.append(norm.register_forward_pre_hook(keep_input))
-        self._handles.append(branch.register_forward_hook(add_change))
+        self._forwards.append((layer, layer.__dict__.get("forward")))
+        layer.forward = types.MethodType(forward, layer)
 
     def revert(self) -> None:
-        """Remove the hooks and put the original parameter objects back (re-tying a tied head)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        """Restore the layers' forwards and the original parameter objects (re-tying a tied head)."""
+        for layer, previous in reversed(self._forwards):
+            if previous is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = previous
+        self._forwards.clear()
         for module, name, param in reversed(self._old):
             module._parameters[name] = param
         self._old.clear()

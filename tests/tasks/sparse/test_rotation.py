@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from tasks.sparse.allocation import capture_blocks
 from tasks.sparse.registry import sparsify
 from tasks.sparse.rotation import OrthogonalRotation
 from tasks.sparse.teal import topk_sparsify
@@ -101,11 +102,23 @@ def test_wina_with_the_transform_through_the_sparsify_api():
     assert handle.achieved_sparsity() == pytest.approx(0.5, abs=0.02)
     assert not torch.allclose(sparse, dense, atol=1e-3)
     assert torch.equal(logits(model, TOKENS), dense) and model.lm_head.weight is model.model.embed_tokens.weight
-    greedy = sparsify(model, WinaConfig(transform=True, allocation="greedy", sparsities=(0.5,), calib_seq_len=32,
-                                        greedy_windows=2), sparsity=0.5, calib_tokens=calib)
-    with greedy:
-        logits(model, TOKENS)
-    assert greedy.achieved_sparsity() == pytest.approx(0.5, abs=0.05)
+    for targets in (WinaConfig.targets, ("*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj")):
+        greedy = sparsify(model, WinaConfig(transform=True, allocation="greedy", sparsities=(0.5,), calib_seq_len=32,
+                                            greedy_windows=2, targets=targets), sparsity=0.5, calib_tokens=calib)
+        with greedy:
+            logits(model, TOKENS)
+        assert greedy.achieved_sparsity() == pytest.approx(0.5, abs=0.05)
+
+
+@pytest.mark.parametrize("unit", ["model.layers.0", "model.layers.1.mlp", "model.layers.0.self_attn"])
+def test_a_layer_or_branch_called_alone_gives_what_the_forward_gave_it(unit):
+    """TEAL's greedy search replays one block (a decoder layer, or an MLP alone) on the inputs a full
+    forward gave it: under the rotation the replay must give the same output."""
+    model = tiny_llama()
+    with OrthogonalRotation(model):
+        args, kwargs, out = capture_blocks(model, [unit], TOKENS)[unit]
+        again = model.get_submodule(unit)(*args, **kwargs)
+    assert torch.allclose(again[0] if isinstance(again, tuple) else again, out, atol=1e-6)
 
 
 def test_a_model_without_llama_modules_is_refused_by_name():
