@@ -272,32 +272,51 @@ def _hash_order(ids: pl.Series, seed: int) -> np.ndarray:
     return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
 
 
-def mix_rewritten(
-    docs: pl.DataFrame, mix: MixStep, *, token_count: TokenCount = whitespace_words
-) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+#: Columns of :func:`mix_keys`: all that :func:`mix_decision` reads of a document.
+MIX_KEYS_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.Utf8, "has_rewrite": pl.Boolean, "tokens": pl.Int64, "rewrite_tokens": pl.Int64,
+}
+#: Columns of :func:`mix_decision`'s decision: which text each document keeps, or whether it goes.
+MIX_DECISION_SCHEMA: dict[str, pl.DataType] = {"id": pl.Utf8, "use_rewrite": pl.Boolean, "drop": pl.Boolean}
+
+
+def mix_keys(docs: pl.DataFrame, *, token_count: TokenCount = whitespace_words) -> pl.DataFrame:
+    """The per-document keys a mix decides on (:data:`MIX_KEYS_SCHEMA`): id, whether the working
+    frame ``docs`` carries a rewrite (``_rewrite_text``), and the token counts of the original and
+    of the rewrite. Keys of shards concatenate to the keys of the whole corpus."""
+    return pl.DataFrame({
+        "id": docs["id"], "has_rewrite": docs[_REWRITE_COL].is_not_null(),
+        "tokens": token_count(docs["text"]).cast(pl.Int64),
+        # a missing rewrite's count is never read; 0 keeps a token_count that yields null for null harmless
+        "rewrite_tokens": token_count(docs[_REWRITE_COL]).cast(pl.Int64).fill_null(0),
+    }, schema=MIX_KEYS_SCHEMA)
+
+
+def mix_decision(keys: pl.DataFrame, mix: MixStep) -> tuple[pl.DataFrame, dict]:
     """Choose per document the rewritten or original text so rewritten tokens ≈ ``mix.rewritten`` of all.
 
-    ``docs`` carries the rewrite in ``_rewrite_text`` (null = none). Start with
-    every available rewrite used; if the rewritten share is above the target, walk
-    the documents in ``hash(seed, id)`` order and revert each to its original when
-    that brings the share closer; if below, drop original-only documents the same
-    way. The share ends within about one document's tokens of the target. Returns
-    ``(kept, dropped, stats)`` with ``stats["mix_rewritten_share"]`` the share reached.
+    ``keys``: :func:`mix_keys` of every document, in corpus order. Start with every available
+    rewrite used; if the rewritten share is above the target, walk the documents in
+    ``hash(seed, id)`` order and revert each to its original when that brings the share closer;
+    if below, drop original-only documents the same way. The share ends within about one
+    document's tokens of the target. Returns ``(decision, stats)``: the decision
+    (:data:`MIX_DECISION_SCHEMA`, a row per key, applied by :func:`apply_mix`) and
+    ``stats["mix_rewritten_share"]``, the share reached.
     """
     target = mix.rewritten
-    has = docs[_REWRITE_COL].is_not_null().to_numpy()
-    orig = token_count(docs["text"]).to_numpy().astype(np.int64)
-    rw = token_count(docs[_REWRITE_COL]).to_numpy().astype(np.int64)
+    has = keys["has_rewrite"].to_numpy().astype(bool)
+    orig = keys["tokens"].to_numpy().astype(np.int64)
+    rw = keys["rewrite_tokens"].to_numpy().astype(np.int64)
     use_rw = has.copy()
     drop = np.zeros(len(has), dtype=bool)
-    if target > 0 and not has.any() and docs.height:
+    if target > 0 and not has.any() and keys.height:
         raise ValueError(f"mix: rewritten share {target} asked, but no document has a successful rewrite")
     R, O = int(rw[has].sum()), int(orig[~has].sum())
 
     def share(r: int, o: int) -> float:
         return r / (r + o) if r + o else 0.0
 
-    order = _hash_order(docs["id"], mix.seed)
+    order = _hash_order(keys["id"], mix.seed)
     if share(R, O) > target:
         for i in order:
             if not use_rw[i]:
@@ -312,16 +331,38 @@ def mix_rewritten(
             o2 = O - orig[i]
             if abs(share(R, o2) - target) < abs(share(R, O) - target):
                 O, drop[i] = o2, True
-    use = pl.Series(use_rw)
+    decision = pl.DataFrame({"id": keys["id"], "use_rewrite": use_rw, "drop": drop}, schema=MIX_DECISION_SCHEMA)
+    stats = {"mix_rewritten_share": share(R, O), "mix_target": target,
+             "mix_docs_rewritten": int(use_rw.sum()), "mix_docs_original": int((~use_rw & ~drop).sum())}
+    return decision, stats
+
+
+def apply_mix(docs: pl.DataFrame, decision: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Apply a :func:`mix_decision` to a working frame (the whole corpus, or one shard of it:
+    ``decision`` may hold rows of other documents too); returns ``(kept, dropped)``, the dropped
+    ones as ``mix.over_ratio``. Every document of ``docs`` must have a decision row."""
+    d = docs.select("id").join(decision, on="id", how="left", maintain_order="left")
+    if d["use_rewrite"].null_count():
+        raise ValueError(f"mix: no decision for {d['use_rewrite'].null_count()} document(s)")
+    use, drop = d["use_rewrite"], d["drop"]
     out = docs.with_columns(
         pl.when(use).then(pl.col(_REWRITE_COL)).otherwise(pl.col("text")).alias("text"),
         pl.when(use).then(pl.col("rewrite")).otherwise(pl.lit(None, dtype=pl.Utf8)).alias("rewrite"),
         pl.lit(None, dtype=pl.Utf8).alias(_REWRITE_COL),  # consumed: finalize must not re-apply it
     )
-    drop_s = pl.Series(drop)
-    stats = {"mix_rewritten_share": share(R, O), "mix_target": target,
-             "mix_docs_rewritten": int(use_rw.sum()), "mix_docs_original": int((~use_rw & ~drop).sum())}
-    return out.filter(~drop_s), _dropped(out.filter(drop_s), "mix.over_ratio"), stats
+    return out.filter(~drop), _dropped(out.filter(drop), "mix.over_ratio")
+
+
+def mix_rewritten(
+    docs: pl.DataFrame, mix: MixStep, *, token_count: TokenCount = whitespace_words
+) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+    """:func:`mix_decision` on the :func:`mix_keys` of ``docs`` (a working frame carrying the
+    rewrite in ``_rewrite_text``, null = none), applied by :func:`apply_mix`. Returns ``(kept,
+    dropped, stats)`` with ``stats["mix_rewritten_share"]`` the share reached. The sharded engine
+    runs the same three pieces with keys per shard and the decision made once on all keys."""
+    decision, stats = mix_decision(mix_keys(docs, token_count=token_count), mix)
+    kept, dropped = apply_mix(docs, decision)
+    return kept, dropped, stats
 
 
 class FilterCache:

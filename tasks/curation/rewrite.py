@@ -481,6 +481,12 @@ class DocumentRewriter:
     (:func:`generator_key` under :meth:`from_config`; built directly, the prompt template and
     input cut only). Rows under other keys stay in ``results`` but are never returned. Returns
     the rows for the ids of ``docs`` in that style under the current key.
+
+    A call spends its ``budget`` (and the per-run cap) on new generations only, in ``docs``
+    order, skipping settled ids; ``generated`` counts the new generations of every call so far.
+    So calling it shard by shard with the budget left (the budget less what earlier calls
+    generated) rewrites the same documents as one call on the whole frame
+    (:mod:`tasks.curation.sharded` does this).
     """
 
     def __init__(self, generator: Generator, *, previous: pl.DataFrame | None = None, batch_size: int = 4,
@@ -488,6 +494,7 @@ class DocumentRewriter:
                  cache_key: Callable[[str], str] | None = None, accept_truncated: bool = False):
         self.generator = generator
         self.remaining = max_docs_per_run  # new generations this run may still spend (None = no cap)
+        self.generated = 0  # new generations made by all calls, what a budget spends
         self.results = _as_rewrite_frame(previous) if previous is not None else pl.DataFrame(schema=REWRITE_SCHEMA)
         self.batch_size = batch_size
         self.max_input_words = max_input_words
@@ -530,6 +537,7 @@ class DocumentRewriter:
         new = rewrite_documents(docs, style, self.generator, done_ids=set(done.to_list()), budget=budget,
                                 batch_size=self.batch_size, max_input_words=self.max_input_words,
                                 min_words=self.min_words, generator_id=key, accept_truncated=self.accept_truncated)
+        self.generated += new.height
         if self.remaining is not None:
             self.remaining -= new.height
         replaced = self.results.select(mine.fill_null(False) & pl.col("id").is_in(new["id"].implode())).to_series()

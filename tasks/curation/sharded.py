@@ -8,16 +8,19 @@
 filters) is applied shard by shard in parallel, each worker reading its shard file and writing its
 kept and dropped parts; a step that needs the whole corpus (``exact_dedup``, ``minhash``,
 ``rewrite``, ``mix``) runs once over the union of the shards, so dedup is global and its result
-(which copy is kept: the lowest id) is the same as a single-process run.
+(which copy is kept: the lowest id), like the rewrite budget's and the mix's, is the same as a
+single-process run.
 
 Memory is bounded by the shard size, not the corpus: the main process holds at most about two
 shards of documents (while reading inputs and re-cutting shards) plus small per-document data —
 every id (duplicate ids are found on ids alone), and for dedup the (id, digest) pairs or, for
 MinHash, one LSH band's keys at a time and the signatures of the documents in a candidate pair
-(signatures and band keys are computed and saved per shard by the workers). The dedup decision is
-then applied shard by shard. ``rewrite`` and ``mix`` are the exception: they need the kept
-documents as one frame (a budget and a token ratio over all of them), so they run in memory in the
-main process. The final ``kept``/``dropped``/``quarantine.parquet`` are streamed together from the
+(signatures and band keys are computed and saved per shard by the workers), and for ``mix`` each
+document's id, whether it has a rewrite and its two token counts (computed by the workers). Each
+decision is then applied shard by shard. ``rewrite`` calls the rewriter in the main process one
+shard at a time, carrying the budget left from shard to shard, so the same documents are rewritten
+as in one call on the whole corpus (a ``DocumentRewriter`` keeps its own results, the rewrite
+cache, in memory). The final ``kept``/``dropped``/``quarantine.parquet`` are streamed together from the
 part files and ``stats.json`` sums per-part counters. ``benchmarks/curation_scale.py`` measures
 the peak RSS.
 
@@ -30,6 +33,7 @@ old parts are discarded rather than mixed with new ones.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -69,10 +73,13 @@ from tasks.curation.recipes import (
     TokenCount,
     _as_working,
     _dropped,
+    apply_mix,
     apply_step,
     decontaminate_part,
     decontamination_info,
     finalize,
+    mix_decision,
+    mix_keys,
     stats_from_counts,
     text_counts,
     whitespace_words,
@@ -387,6 +394,65 @@ def _apply_duplicates(shard: str, decision: str, reason: str, kept_path: str, dr
     return int(is_dup.sum())
 
 
+# ---------------------------------------------------------------- rewrite and mix, shard by shard
+
+
+def _rewrite_shards(s: Any, files: Sequence[Path], folder: Path, work: Path, *, rewriter: Any,
+                    token_count: TokenCount) -> dict:
+    """The rewrite step over ``files``, one shard at a time in this process (where the generator
+    lives: a loaded model or a server's client); writes ``work/kept-<i>.parquet`` and
+    ``folder/dropped-<i>.parquet`` and returns the step info of the whole corpus.
+
+    The rewriter spends its budget on new generations in document order, skipping ids it has
+    settled (:class:`~tasks.curation.rewrite.DocumentRewriter`): each shard gets the budget left
+    after the shards before it, so the same documents are rewritten as by one call on the
+    concatenated frame. What a call spent is the rise of the rewriter's ``generated`` counter; a
+    rewriter without one is taken to return only the rows it generated in that call.
+    """
+    cfg = s.settings
+    left = cfg.budget
+    infos = []
+    for i, f in enumerate(files):
+        before = getattr(rewriter, "generated", None)
+        shard_step = dataclasses.replace(s, rewrite=dataclasses.replace(cfg, budget=left))
+        kept, dropped, info = apply_step(pl.read_parquet(f), shard_step, rewriter=rewriter, token_count=token_count)
+        write_parquet(work / f"kept-{i:05d}.parquet", kept)
+        write_parquet(folder / f"dropped-{i:05d}.parquet", dropped)
+        del kept, dropped
+        infos.append(info)
+        if left is not None:
+            spent = rewriter.generated - before if before is not None else info["rewrite_attempted"]
+            left = max(left - spent, 0)
+    return _merge_rewrite_infos(infos)
+
+
+def _merge_rewrite_infos(infos: Sequence[dict]) -> dict:
+    """Per-shard rewrite step infos summed into the corpus's (counts, and failures by reason)."""
+    merged = _merge_infos([[info] for info in infos])[0]
+    failed: dict[str, int] = {}
+    for info in infos:
+        for reason, n in info["rewrite_failed_by_reason"].items():
+            failed[reason] = failed.get(reason, 0) + n
+    merged["rewrite_failed_by_reason"] = dict(sorted(failed.items()))
+    return merged
+
+
+def _mix_keys(shard: str, token_count: TokenCount) -> pl.DataFrame:
+    """Worker: :func:`~tasks.curation.recipes.mix_keys` of one shard (id, has a rewrite, token counts)."""
+    return mix_keys(_as_working(pl.read_parquet(shard)), token_count=token_count)
+
+
+def _apply_mix(shard: str, decision: str, kept_path: str, dropped_path: str) -> int:
+    """Worker: split one shard by a mix decision file (:func:`~tasks.curation.recipes.mix_decision`
+    of the whole corpus); returns the documents dropped."""
+    docs = _as_working(pl.read_parquet(shard))
+    mine = pl.scan_parquet(decision).filter(pl.col("id").is_in(docs["id"].implode())).collect()
+    kept, dropped = apply_mix(docs, mine)
+    write_parquet(kept_path, kept)
+    write_parquet(dropped_path, dropped)
+    return dropped.height
+
+
 def _record_batches(sources: Sequence[Path], batch_rows: int = 4_096):
     """The rows of Parquet files as Arrow record batches, in order: a few thousand rows in memory."""
     import pyarrow.parquet as pq
@@ -441,10 +507,11 @@ def _run_global_step(s: Any, files: Sequence[Path], folder: Path, *, shard_docs:
     """Run one global step over the shards ``files``; write ``folder/kept-<j>.parquet`` (rechunked),
     ``dropped-<i>.parquet``, ``part.json`` and the marker.
 
-    Dedup steps decide on per-document keys (exact digests; MinHash band keys and signatures
-    saved per shard) and apply the decision shard by shard, so no process holds the corpus.
-    ``rewrite`` and ``mix`` need the kept documents as one frame (the rewriter's budget, the
-    mix's token ratio over all documents): they run in memory here.
+    No process holds the corpus. Dedup and ``mix`` decide on per-document keys computed by the
+    workers (exact digests; MinHash band keys and signatures saved per shard; the mix's id, has a
+    rewrite and token counts), once in this process, and apply the decision shard by shard.
+    ``rewrite`` calls the rewriter here one shard at a time, carrying the budget left from shard
+    to shard (:func:`_rewrite_shards`).
     """
     if folder.exists():
         shutil.rmtree(folder)  # an unfinished earlier try
@@ -475,14 +542,25 @@ def _run_global_step(s: Any, files: Sequence[Path], folder: Path, *, shard_docs:
                                               for i, (f, k) in enumerate(zip(files, kept_parts))])
         info.update(docs_in=len(ids), docs_out=len(ids) - int(dup.is_not_null().sum()))
         n_dropped = len(files)
+    elif kind == "rewrite":
+        kept_parts = [work / f"kept-{i:05d}.parquet" for i in range(len(files))]
+        info = _rewrite_shards(s, files, folder, work, rewriter=rewriter, token_count=token_count)
+        n_dropped = len(files)
+    elif kind == "mix":
+        keys = pl.concat(_gather(executor, _mix_keys, [(str(f), token_count) for f in files]))
+        decision, mix_stats = mix_decision(keys, cfg)
+        n_docs = keys.height
+        del keys
+        decision_path = write_parquet(work / "mix.parquet", decision)
+        del decision
+        kept_parts = [work / f"kept-{i:05d}.parquet" for i in range(len(files))]
+        n_drop = sum(_gather(executor, _apply_mix, [(str(f), str(decision_path), str(k),
+                                                     str(folder / f"dropped-{i:05d}.parquet"))
+                                                    for i, (f, k) in enumerate(zip(files, kept_parts))]))
+        info = {"step": kind, **mix_stats, "docs_in": n_docs, "docs_out": n_docs - n_drop}
+        n_dropped = len(files)
     else:
-        docs = pl.concat([pl.read_parquet(f) for f in files])
-        kept, dropped, info = apply_step(docs, s, rewriter=rewriter, token_count=token_count, index=index)
-        del docs
-        kept_parts = [write_parquet(work / "kept-00000.parquet", kept)]
-        write_parquet(folder / "dropped-00000.parquet", dropped)
-        del kept, dropped
-        n_dropped = 1
+        raise ValueError(f"{kind}: not a global step")
     n_kept = _rechunk(kept_parts, folder, shard_docs)
     write_json(folder / "part.json", {"kept_files": n_kept, "dropped_files": n_dropped, "steps": [info]})
     fault_point("sharded.part")
