@@ -13,6 +13,7 @@ import polars as pl
 from flows.curate import VARIANT_STATS, curate_flow, variant_row
 from flows.runtime import make_context
 from tasks.common.params import load_stage_config
+from tasks.common.tracking import WORKDIR_TAG
 from tasks.curation.decontam import ValDecontaminator
 from tasks.curation.recipes import CurationConfig, FilterCache, run_recipe
 
@@ -79,7 +80,9 @@ def test_curate_stage_equals_the_in_memory_recipe_for_every_ci_variant(prefect_h
         assert stats == json.loads(json.dumps(ref.stats)) and tuple(stats) == VARIANT_STATS, variant
         assert row == variant_row(variant, ref.stats)
         assert stats["dropped_by_reason"]["val_contamination"] == 2  # d0100 and d0300, upper-cased in val
-        run, = client.search_runs([experiment], f"attributes.run_name = 'curate:{variant}'")
+        # the store may be the test session's, holding other workdirs' curate runs: this workdir's one
+        (run,) = [r for r in client.search_runs([experiment], f"attributes.run_name = 'curate:{variant}'")
+                  if Path(r.data.tags.get(WORKDIR_TAG, "/nonexistent")).resolve() == tmp_path.resolve()]
         assert run.data.metrics["docs_kept"] == ref.stats["docs_kept"]
     dedup = json.loads((curated / "dedup_gopher" / "stats.json").read_text())["dropped_by_reason"]
     assert dedup["exact_dedup.duplicate"] == 3 and dedup["gopher_quality.word_count"] == 13
