@@ -11,6 +11,7 @@ from tasks.curation import sharded
 from tasks.curation.prepare import drop_duplicate_ids
 from tasks.curation.recipes import Recipe, run_recipe, step
 from tasks.curation.sharded import SerialExecutor, curate_corpus, read_inputs
+from tests.tasks.curation.frame_watch import watch_document_frames
 from tests.tasks.curation.test_recipes import PROSE
 
 RECIPE = Recipe(steps=(step("gopher_quality"), step("exact_dedup"), step("c4_quality")))
@@ -201,22 +202,7 @@ def test_main_process_holds_at_most_two_shards_of_documents(tmp_path, monkeypatc
     """With workers in other processes, no frame of documents built, read or written by the
     main process is larger than two shards, while the corpus is ten shards."""
     inputs = write_near_duplicate_corpus(tmp_path)
-    largest = [0]
-
-    def watch(fn):
-        def wrapped(*args, **kwargs):
-            res = fn(*args, **kwargs)
-            frames = [a for a in (res, *args) if isinstance(a, pl.DataFrame)]
-            for f in frames:
-                if "text" in f.columns:
-                    largest[0] = max(largest[0], f.height)
-            return res
-        return wrapped
-
-    monkeypatch.setattr(pl, "read_parquet", watch(pl.read_parquet))
-    monkeypatch.setattr(pl, "concat", watch(pl.concat))
-    monkeypatch.setattr(sharded, "write_parquet", watch(sharded.write_parquet))
-    monkeypatch.setattr(pl.DataFrame, "filter", watch(pl.DataFrame.filter))
+    largest = watch_document_frames(monkeypatch, sharded)
     stats = curate_corpus(inputs, tmp_path / "out", NEAR_RECIPE, shard_docs=6, n_workers=2)
     assert stats["docs_in"] >= 10 * 6
     assert 6 <= largest[0] <= 2 * 6

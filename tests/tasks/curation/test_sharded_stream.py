@@ -13,6 +13,7 @@ from tasks.curation import recipes, sharded
 from tasks.curation.recipes import MIX_KEYS_SCHEMA, Recipe, run_recipe, step
 from tasks.curation.rewrite import DocumentRewriter
 from tasks.curation.sharded import curate_corpus, read_inputs
+from tests.tasks.curation.frame_watch import watch_document_frames
 
 SHARD = 4
 N = 34
@@ -130,22 +131,7 @@ def test_main_process_holds_at_most_two_shards_with_rewrite_and_mix(tmp_path, mo
     src = write_corpus(tmp_path / "in.jsonl")
     docs, _ = read_inputs([src])
     ref = run_recipe(docs, recipe(9, 0.6), rewriter=make_rewriter(None))
-    largest = [0]
-
-    def watch(fn):
-        def wrapped(*args, **kwargs):
-            res = fn(*args, **kwargs)
-            for f in (res, *args):
-                if isinstance(f, pl.DataFrame) and "text" in f.columns and "rewritten" not in f.columns:
-                    largest[0] = max(largest[0], f.height)
-            return res
-        return wrapped
-
-    monkeypatch.setattr(pl, "read_parquet", watch(pl.read_parquet))
-    monkeypatch.setattr(pl, "concat", watch(pl.concat))
-    monkeypatch.setattr(sharded, "write_parquet", watch(sharded.write_parquet))
-    monkeypatch.setattr(pl.DataFrame, "filter", watch(pl.DataFrame.filter))
-    monkeypatch.setattr(pl.DataFrame, "join", watch(pl.DataFrame.join))
+    largest = watch_document_frames(monkeypatch, sharded, join=True, ignore_column="rewritten")
     stats = curate_corpus([src], tmp_path / "out", recipe(9, 0.6), shard_docs=SHARD, n_workers=2,
                           rewriter=make_rewriter(None))
     assert SHARD <= largest[0] <= 2 * SHARD
