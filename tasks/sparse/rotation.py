@@ -99,7 +99,6 @@ class OrthogonalRotation(contextlib.AbstractContextManager):
 
     def __init__(self, model: nn.Module) -> None:
         parts = llama_parts(model)
-        self.model = model
         self._new: list[tuple[nn.Module, str, torch.Tensor]] = []  # (module, parameter name, rotated value)
         self._old: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._shortcuts: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []  # (layer, S_attn, S_mlp)
@@ -146,7 +145,7 @@ class OrthogonalRotation(contextlib.AbstractContextManager):
         return bool(self._old or self._forwards)
 
     def apply(self) -> OrthogonalRotation:
-        """Swap the rotated weights in and hook the shortcuts; the model computes the same function."""
+        """Swap the rotated weights and the layers' shortcut forwards in; the model computes the same function."""
         if self._old or self._forwards:
             raise RuntimeError("this rotation is already applied")
         try:
@@ -197,10 +196,3 @@ class OrthogonalRotation(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc: object) -> None:
         self.revert()
-
-    def rotated(self, module: nn.Module) -> torch.Tensor | None:
-        """The weight ``module`` has while the rotation is applied (None if it is not rotated)."""
-        for m, name, value in self._new:
-            if m is module and name == "weight":
-                return value
-        return None
