@@ -14,7 +14,9 @@ Ops:
 * :mod:`kernels.group_quant` — per-group asymmetric integer quantization and dequantization
   (round-to-nearest weight quantization, stage 3);
 * :mod:`kernels.sparse_gemv` — TEAL's activation-sparse matrix-vector product, which reads only the
-  weight columns of active input channels (stage 4).
+  weight columns of active input channels (stage 4);
+* :mod:`kernels.sparse_attention` — sparse prefill attention over given key lists: QuoKA's gathered
+  KV subset per query chunk and ProxyAttn's block-sparse attention per query block (stage 4).
 
 The top-level name ``kernels`` is also the name of a Hugging Face package; transformers must not
 mistake this one for it (``tests/kernels/test_transformers_probe.py`` checks), so nothing here
