@@ -170,6 +170,19 @@ def test_triton_matches_reference_fp32(op, case, poison_empty):
 
 @needs_triton
 @pytest.mark.parametrize("op", OPS)
+def test_triton_padding_anywhere_in_a_list(op, poison_empty):
+    """-1 entries between listed keys / blocks, not only at the end, are skipped too."""
+    case = _cases(op)[4]
+    q, k, v, lists, _ = _problem(op, case, seed=11)
+    g = torch.Generator().manual_seed(11)
+    lists = torch.gather(lists, 3, torch.argsort(torch.rand(lists.shape, generator=g), dim=-1))
+    assert (lists[..., -1] >= 0).any() and (lists[..., :-1] < 0).any()
+    y = _call(triton_impl, op, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), lists.to(DEVICE), case.size, 0.25)
+    assert rel_err(y.cpu(), _call(reference, op, q, k, v, lists, case.size, 0.25)) <= TOL[torch.float32]
+
+
+@needs_triton
+@pytest.mark.parametrize("op", OPS)
 def test_triton_additive_mask(op, poison_empty):
     """Padding (-inf) removes pairs, finite entries shift scores, a fully masked query gives zeros."""
     case = _cases(op)[2]  # batch 2: the last batch's middle query is fully masked
