@@ -34,16 +34,18 @@ chunks of 128 on 1024-token windows the diagonal alone holds 12.6% of the pairs.
 
 Documented choices where the paper leaves room, each a parameter: ``chunk_size`` 32 (the ladder's
 contexts are 64–128 tokens; 512–2048 on SmolLM2-scale contexts), ``n_queries`` 4, ``aggregate: max``,
-``min_keys`` 8 (earlier keys kept at least, sink included). Not implemented: the paper's CPU/GPU
-kernels — here the selected keys are gathered and attended with dense torch ops, which measures
-quality, not speed.
+``min_keys`` 8 (earlier keys kept at least, sink included).
+
+Speed: the keys are chosen chunk by chunk (every key normalised once per forward), then
+:func:`kernels.sparse_attention.gathered_attention` attends each run of chunks to its lists in one
+call — a flash-style Triton kernel on CUDA, batched gathers into PyTorch's fused attention on CPU
+(``benchmarks/sparse_speed.py`` times it against dense attention). Not the paper's own kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -53,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.sparse_attention import gathered_attention
 from tasks.common.config import require
 from tasks.sparse.registry import SparseMethodSpec, register_sparsifier
 
@@ -83,11 +86,14 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def quoka_select(q: torch.Tensor, k: torch.Tensor, n_keep: int, n_queries: int, aggregate: str) -> torch.Tensor:
+def quoka_select(q: torch.Tensor, k: torch.Tensor, n_keep: int, n_queries: int, aggregate: str, *,
+                 k_normalized: bool = False) -> torch.Tensor:
     """Indices (b, h_kv, n_keep) of the keys QuoKA keeps for one chunk, in increasing order.
 
     ``q``: the chunk's queries (b, h_q, c, d); ``k``: the keys to choose from (b, h_kv, n, d), in
-    :func:`quoka` those of the earlier chunks. Key 0 is always among the kept."""
+    :func:`quoka` those of the earlier chunks, already unit vectors when ``k_normalized`` (the
+    caller then normalizes every key once per forward instead of once per chunk). Key 0 is always
+    among the kept."""
     b, hq, c, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     qn = F.normalize(q.float(), dim=-1)
@@ -95,7 +101,7 @@ def quoka_select(q: torch.Tensor, k: torch.Tensor, n_keep: int, n_queries: int, 
     sim = (qn * mean).sum(-1)  # (b, hq, c)
     probes = torch.topk(sim, min(n_queries, c), dim=-1, largest=False).indices
     qs = torch.gather(qn, 2, probes[..., None].expand(-1, -1, -1, d))  # (b, hq, p, d)
-    kn = F.normalize(k.float(), dim=-1)
+    kn = k.float() if k_normalized else F.normalize(k.float(), dim=-1)
     groups = hq // hkv
     scores = qs.reshape(b, hkv, groups * qs.shape[2], d) @ kn.transpose(-1, -2)  # (b, hkv, g*p, n)
     agg = scores.amax(dim=2) if aggregate == "max" else scores.mean(dim=2)  # (b, hkv, n)
@@ -207,40 +213,59 @@ def attend_subset(handle: AttentionSparsity, q: torch.Tensor, k: torch.Tensor, v
     ``select(q_chunk, k_visible, n_visible) -> indices or None`` (None = all): (b, h_kv, n_keep), one
     key set per KV head shared by its GQA group, or (b, h_q, n_keep), one per query head, where ``-1``
     pads heads that keep fewer keys (:mod:`tasks.sparse.proxyattn`).
-    Returns (b, q_len, h_q, d) as transformers' attention functions do; counts skipped pairs."""
+
+    Every chunk's keys are chosen first; then runs of chunks whose key lists have similar lengths
+    (:func:`_segments`) go to :func:`kernels.sparse_attention.gathered_attention` in one call each
+    (compiled Triton on CUDA, batched gathers on CPU), so padding the lists to a common length wastes
+    little. Returns (b, q_len, h_q, d) as transformers' attention functions do; counts skipped pairs."""
     b, hq, q_len, d = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
-    groups, offset = hq // hkv, k_len - q_len
+    offset = k_len - q_len
+    starts = list(range(0, q_len, chunk_size))
+    lists = [select(q[:, :, s : s + chunk_size], k[:, :, : offset + min(s + chunk_size, q_len)],
+                    offset + min(s + chunk_size, q_len)) for s in starts]
+    hs = hq if any(x is not None and x.shape[1] == hq for x in lists) else hkv
+    lengths = [offset + min(s + chunk_size, q_len) if x is None else x.shape[-1] for s, x in zip(starts, lists)]
     out = torch.empty_like(q)
-    for s in range(0, q_len, chunk_size):
-        e = min(s + chunk_size, q_len)
-        n_vis = offset + e
-        qc, kc, vc = q[:, :, s:e], k[:, :, :n_vis], v[:, :, :n_vis]
-        qpos = torch.arange(offset + s, offset + e, device=q.device)
-        keep = select(qc, kc, n_vis)
-        if keep is None:
-            kr, vr = _repeat_kv(kc, groups), _repeat_kv(vc, groups)
-            kp = torch.arange(n_vis, device=q.device).expand(b, hq, n_vis)
-        elif keep.shape[1] != hq:  # one set per KV head: gather before repeating, the cheaper order
-            kr = _repeat_kv(torch.gather(kc, 2, keep[..., None].expand(-1, -1, -1, d)), groups)
-            vr = _repeat_kv(torch.gather(vc, 2, keep[..., None].expand(-1, -1, -1, d)), groups)
-            kp = _repeat_kv(keep, groups)  # (b, hq, m)
-        else:  # one set per query head, -1 = padding
-            kp, idx = keep, keep.clamp(min=0)[..., None].expand(-1, -1, -1, d)
-            kr, vr = torch.gather(_repeat_kv(kc, groups), 2, idx), torch.gather(_repeat_kv(vc, groups), 2, idx)
-        scores = (qc.float() @ kr.float().transpose(-1, -2)) * scaling  # (b, hq, c, m)
-        allowed = (kp[:, :, None, :] <= qpos[None, None, :, None]) & (kp[:, :, None, :] >= 0)
-        if mask is not None:  # padding etc.: the model's additive mask at the kept keys' positions
-            m = mask[:, :, s:e, :n_vis].float()  # (b, 1, c, n_vis)
-            scores = scores + torch.gather(m.expand(b, hq, -1, -1), 3,
-                                           kp.clamp(min=0)[:, :, None, :].expand(-1, -1, e - s, -1))
-        scores = scores.masked_fill(~allowed, -math.inf)
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        out[:, :, s:e] = (probs @ vr.float()).to(q.dtype)
-        visible = b * hq * int((qpos + 1).sum())  # causal pairs of the chunk (key j <= query i)
-        handle.visible += visible
-        handle.skipped += visible - int(allowed.sum())
+    for first, last in _segments(lengths):
+        qs, qe = starts[first], min(starts[last - 1] + chunk_size, q_len)
+        keys = torch.full((b, hs, last - first, max(lengths[first:last])), -1, dtype=torch.long, device=q.device)
+        for i in range(first, last):
+            x = lists[i]
+            if x is None:
+                x = torch.arange(lengths[i], device=q.device).expand(b, hs, -1)
+            elif x.shape[1] != hs:
+                x = _repeat_kv(x, hs // x.shape[1])
+            keys[:, :, i - first, : x.shape[-1]] = x
+        rows = None if mask is None else mask[:, :, qs:qe, : offset + qe].expand(b, 1, -1, -1)
+        out[:, :, qs:qe] = gathered_attention(q[:, :, qs:qe], k[:, :, : offset + qe], v[:, :, : offset + qe], keys,
+                                              chunk_size=chunk_size, scaling=scaling, mask=rows)
+        pos = torch.arange(offset + qs, offset + qe, device=q.device)
+        handle.visible += b * hq * int((pos + 1).sum())  # causal pairs (key j <= query i)
+        handle.skipped += b * hq * int((pos + 1).sum()) - (hq // hs) * _allowed_pairs(keys, offset + qs, offset + qe,
+                                                                                    chunk_size)
     return out.transpose(1, 2).contiguous()
+
+
+def _segments(lengths: Sequence[int], spread: float = 1.25) -> list[tuple[int, int]]:
+    """Runs ``[first, last)`` of consecutive chunks whose key-list lengths stay within ``spread`` of
+    the run's shortest, so padding each run's lists to its longest costs at most that factor."""
+    runs, first, low = [], 0, lengths[0] if lengths else 0
+    for i, n in enumerate(lengths):
+        low = min(low, n)
+        if i > first and n > spread * max(low, 1):
+            runs.append((first, i))
+            first, low = i, n
+    return runs + [(first, len(lengths))] if lengths else runs
+
+
+def _allowed_pairs(keys: torch.Tensor, start: int, end: int, chunk_size: int) -> int:
+    """(query, key) pairs the causal mask allows for key lists (b, h, chunks, m) of the chunks of
+    positions ``[start, end)``: a key at ``p >= 0`` is seen by the chunk's queries at ``>= p``."""
+    first = start + chunk_size * torch.arange(keys.shape[2], device=keys.device)[:, None]  # (chunks, 1)
+    stop = (first + chunk_size).clamp(max=end)
+    seen = (stop - torch.maximum(keys, first)).clamp(min=0)
+    return int(seen.masked_fill(keys < 0, 0).sum())
 
 
 @register_sparsifier("quoka", QuokaConfig)
@@ -252,13 +277,14 @@ def quoka(model: nn.Module, cfg: QuokaConfig, *, sparsity: float,
 
     def attend(handle, q, k, v, mask, scaling):
         share = earlier_keep_share(q.shape[2], k.shape[2], cfg.chunk_size, sparsity, cfg.min_keys)
+        kn = F.normalize(k.float(), dim=-1) if sparsity > 0 else k
 
         def select(qc: torch.Tensor, kc: torch.Tensor, n_vis: int) -> torch.Tensor | None:
             n_past = n_vis - qc.shape[2]  # the chunk's own keys are the last qc.shape[2]
             n_keep = max(cfg.min_keys, round(share * n_past))
             if sparsity == 0 or n_keep >= n_past:
                 return None
-            past = quoka_select(qc, kc[:, :, :n_past], n_keep, cfg.n_queries, cfg.aggregate)
+            past = quoka_select(qc, kn[:, :, :n_past], n_keep, cfg.n_queries, cfg.aggregate, k_normalized=True)
             own = torch.arange(n_past, n_vis, device=kc.device).expand(*past.shape[:2], -1)
             return torch.cat([past, own], dim=-1)
 
