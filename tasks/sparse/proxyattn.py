@@ -39,16 +39,24 @@ Per layer, prefill runs in query blocks of ``block_size`` queries; keys form blo
    chosen blocks, per head.
 
 Choices where the paper leaves room, each a parameter: ``pooling: mean``, ``budget_from: head`` with
-``budget_queries`` 4, ``min_blocks`` 1, ``floor_ratio`` 0.5, ``ceiling_ratio`` 2, ``block_size`` 16
-(params/sparse_eval.yaml sets 4 for the ladder's 128-token windows, where sink and diagonal blocks
-of 16 would already hold over a third of the causal pairs).
+``budget_queries`` 4, ``proxy_queries`` null (every query of a block scores its proxy; an integer
+keeps the block's last ``proxy_queries``, which see every key the block sees, and divides the cost
+of scoring by ``block_size / proxy_queries``), ``min_blocks`` 1, ``floor_ratio`` 0.5,
+``ceiling_ratio`` 2, ``block_size`` 16 (params/sparse_eval.yaml sets 4 for the ladder's 128-token
+windows, where sink and diagonal blocks of 16 would already hold over a third of the causal pairs).
+Where heads of a group tie on the last block the budget allows (``budget_from: proxy``: they share
+one mass), the lower-numbered heads take it.
 
 ``sparsity`` means what it means for :mod:`tasks.sparse.quoka`: the share of causal KV pairs
 skipped, counted over what ran (``achieved_sparsity()``). The patch is QuoKA's: one
 reversible ``AttentionInterface`` function (:class:`tasks.sparse.quoka.AttentionSparsity`).
 
-Not implemented: the paper's block-sparse GPU kernel. The chosen blocks are gathered and attended
-with dense torch ops (:func:`tasks.sparse.quoka.attend_subset`), which measures quality, not speed.
+Speed: :func:`proxyattn_blocks` scores all query blocks of a forward pass in a few batched products
+(passes of ~512 queries) and solves every block's budgets at once; the chosen blocks go to
+:func:`kernels.sparse_attention.block_sparse_attention` (a flash-style Triton kernel over the listed
+key blocks on CUDA; gathered keys into PyTorch's fused attention on CPU). Scoring is the cost a
+dense pass does not have: with every query scoring (the default) it is about a third of dense
+attention's ``q kᵀ`` and softmax for groups of 3 heads. Not the paper's own kernel.
 """
 
 from __future__ import annotations
@@ -64,7 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.common.config import require
-from tasks.sparse.quoka import AttentionSparsity, _repeat_kv, attend_subset, solve_keep_share
+from tasks.sparse.quoka import AttentionSparsity, _repeat_kv, attend_lists, attend_subset, solve_keep_share
 from tasks.sparse.registry import SparseMethodSpec, register_sparsifier
 
 
@@ -73,7 +81,8 @@ class ProxyAttnConfig(SparseMethodSpec):
     """``block_size``: tokens per query and key block. ``group_size``: heads pooled into one proxy
     (None = the GQA group). ``pooling``: how the group's queries and keys are pooled. ``budget_from``:
     whose block mass sets a head's budget (``head``: its own, at the block's last ``budget_queries``
-    queries; ``proxy``: the group's). ``min_blocks``, ``floor_ratio``, ``ceiling_ratio``: a head keeps
+    queries; ``proxy``: the group's). ``proxy_queries``: the block's queries whose proxy scores rank
+    its key blocks (its last ``proxy_queries``; None = all of them). ``min_blocks``, ``floor_ratio``, ``ceiling_ratio``: a head keeps
     between ``max(min_blocks, floor_ratio·B̄)`` and ``ceiling_ratio·B̄`` ranked blocks, ``B̄`` the
     mean budget (see the module docstring)."""
 
@@ -83,6 +92,7 @@ class ProxyAttnConfig(SparseMethodSpec):
     pooling: Literal["mean", "max"] = "mean"
     budget_from: Literal["head", "proxy"] = "head"
     budget_queries: int = 4
+    proxy_queries: int | None = None
     min_blocks: int = 1
     floor_ratio: float = 0.5
     ceiling_ratio: float = 2.0
@@ -93,6 +103,8 @@ class ProxyAttnConfig(SparseMethodSpec):
         require(self.group_size is None or self.group_size >= 1, "group_size",
                 f"must be >= 1 or null (the GQA group), got {self.group_size}")
         require(self.budget_queries >= 1, "budget_queries", f"must be >= 1, got {self.budget_queries}")
+        require(self.proxy_queries is None or self.proxy_queries >= 1, "proxy_queries",
+                f"must be >= 1 or null (every query of the block), got {self.proxy_queries}")
         require(self.min_blocks >= 0, "min_blocks", f"must be >= 0, got {self.min_blocks}")
         require(0.0 <= self.floor_ratio <= 1.0, "floor_ratio", f"must be in [0, 1], got {self.floor_ratio}")
         require(self.ceiling_ratio >= 1.0, "ceiling_ratio", f"must be >= 1, got {self.ceiling_ratio}")
@@ -125,25 +137,6 @@ def pool_heads(x: torch.Tensor, group_size: int, pooling: str) -> torch.Tensor:
     return x.mean(dim=2) if pooling == "mean" else x.amax(dim=2)
 
 
-def block_mass(q: torch.Tensor, k: torch.Tensor, scaling: float, block_size: int,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention mass per key block, averaged over queries: (b, h, J), ``J = ceil(n / block_size)``.
-
-    ``q`` (b, h, r, d) are the last ``r`` queries of the ``n`` positions ``k`` (b, h, n, d) spans
-    (query ``t`` sees keys ``<= n - r + t``); ``mask`` is the model's additive mask at those rows,
-    (b, 1, r, n). Each row is ``softmax(q kᵀ · scaling + mask)`` summed within key blocks."""
-    b, h, r, _ = q.shape
-    n = k.shape[2]
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scaling  # (b, h, r, n)
-    if mask is not None:
-        scores = scores + mask.float()
-    causal = torch.arange(n, device=q.device)[None, :] > torch.arange(n - r, n, device=q.device)[:, None]
-    probs = torch.softmax(scores.masked_fill(causal, -math.inf), dim=-1).nan_to_num(0.0)
-    n_blocks = -(-n // block_size)
-    probs = F.pad(probs, (0, n_blocks * block_size - n))
-    return probs.view(b, h, r, n_blocks, block_size).sum(-1).mean(2)
-
-
 def dynamic_budgets(mass: torch.Tensor, forced: torch.Tensor, total: int, n_min: int, n_max: int) -> torch.Tensor:
     """Ranked blocks each head keeps, (b, h) integers summing to ``total`` per batch row.
 
@@ -152,53 +145,150 @@ def dynamic_budgets(mass: torch.Tensor, forced: torch.Tensor, total: int, n_min:
     key ``C_h(r - 1)``, the coverage the head has without it; the ``total`` smallest keys win, so
     every head ends at the smallest count reaching one common coverage ``γ`` (first ``n_min`` blocks
     always, none past ``n_max``). Needs ``h·n_min <= total <= h·n_max``."""
-    b, h, n = mass.shape
-    before = forced[..., None].float() + mass.float().cumsum(-1) - mass.float()
-    rank = torch.arange(n, device=mass.device)
-    before = before.masked_fill(rank < n_min, -math.inf).masked_fill(rank >= n_max, math.inf)
-    won = torch.zeros(b, h * n, dtype=torch.bool, device=mass.device)
-    won.scatter_(1, before.view(b, h * n).topk(total, dim=-1, largest=False).indices, True)
-    return won.view(b, h, n).sum(-1)
+    one = torch.tensor([total], device=mass.device), torch.tensor([n_min]), torch.tensor([n_max])
+    return _budgets_per_block(mass[:, :, None], forced[:, :, None], *one)[:, :, 0]
 
 
 def proxyattn_select(q: torch.Tensor, k: torch.Tensor, cfg: ProxyAttnConfig, *, group_size: int,
                      keep_share: float, scaling: float, mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """Keys (b, h_q, m) each query head attends to for one query block, increasing, ``-1``-padded.
 
-    ``q`` (b, h_q, c, d): the block's queries, the last ``c`` of the ``n`` positions ``k``
-    (b, h_kv, n, d) spans; ``mask``: the model's additive mask at those rows, (b, 1, c, n).
-    ``keep_share``: ``φ`` of :func:`candidate_keep_share`. ``None`` when every visible key is kept."""
-    b, hq, c, _ = q.shape
+    ``q`` (b, h_q, c, d): the block's queries (``c <= block_size``), the last ``c`` of the ``n``
+    positions ``k`` (b, h_kv, n, d) spans; ``mask``: the model's additive mask at those rows,
+    (b, 1, c, n). ``keep_share``: ``φ`` of :func:`candidate_keep_share`. ``None`` when every visible
+    key is kept. One block of :func:`proxyattn_blocks`, as key positions."""
+    n, bs = k.shape[2], cfg.block_size
+    blocks, dense = proxyattn_blocks(q, k, cfg, group_size=group_size, keep_share=keep_share, scaling=scaling,
+                                     mask=mask)
+    if dense[0]:
+        return None
+    pos = blocks[:, :, 0, :, None] * bs + torch.arange(bs, device=q.device)
+    pos = torch.where((blocks[:, :, 0, :, None] >= 0) & (pos < n), pos, n).flatten(-2).sort(dim=-1).values
+    pos = pos[..., : int((pos < n).sum(-1).max())]
+    return torch.where(pos < n, pos, -1)
+
+
+def proxyattn_blocks(q: torch.Tensor, k: torch.Tensor, cfg: ProxyAttnConfig, *, group_size: int, keep_share: float,
+                     scaling: float, mask: torch.Tensor | None = None,
+                     rows_per_pass: int = 512) -> tuple[torch.Tensor, list[bool]]:
+    """Key blocks each query head of each query block attends to: (b, h_q, n_qblocks, m), increasing,
+    ``-1``-padded; and per query block whether that is every visible block.
+
+    ``q`` (b, h_q, nq, d): the last ``nq`` of the ``n`` positions ``k`` (b, h_kv, n, d) spans, in query
+    blocks of ``block_size`` from its first row (the last may be shorter); ``mask``: the model's
+    additive mask at those rows, (b, 1, nq, n). The proxy and per-head block masses of about
+    ``rows_per_pass`` queries come from one product over the keys the last of them sees, causally
+    masked — the softmax each block would get alone — and the budgets of every query block are
+    solved together (:func:`_budgets_per_block`)."""
+    b, hq, nq, _ = q.shape
     hkv, n = k.shape[1], k.shape[2]
-    bs = cfg.block_size
-    first_diag = (n - c) // bs
-    n_cand = max(0, first_diag - 1)  # blocks 1 .. first_diag - 1: complete, visible to all c queries
+    bs, offset = cfg.block_size, n - nq
+    n_qb, n_blocks = -(-nq // bs), -(-n // bs)
+    dev = q.device
+    kr = _repeat_kv(k, hq // hkv)  # (b, hq, n, d)
+    kp = pool_heads(kr, group_size, cfg.pooling)
+    qp = pool_heads(q, group_size, cfg.pooling)
+    rows = torch.arange(nq, device=dev)
+    block_of = rows // bs
+    last_row = torch.clamp((block_of + 1) * bs, max=nq) - 1
+    own_rows = rows[last_row - rows < cfg.budget_queries]  # each block's last budget_queries queries
+    proxy_rows = rows if cfg.proxy_queries is None else rows[last_row - rows < cfg.proxy_queries]
+    proxy = torch.zeros(b, qp.shape[1], n_qb, n_blocks, device=dev)
+    own = torch.zeros(b, hq, n_qb, n_blocks, device=dev) if cfg.budget_from == "head" else None
+    step = max(1, rows_per_pass // bs) * bs
+    for s in range(0, nq, step):  # whole query blocks per pass
+        e = min(s + step, nq)
+        n_vis = offset + e
+        sel = proxy_rows[(proxy_rows >= s) & (proxy_rows < e)]
+        m_sel = None if mask is None else mask[:, :, sel, :n_vis]
+        mass = _row_block_mass(qp[:, :, sel], kp[:, :, :n_vis], scaling, bs, offset + sel, m_sel)
+        proxy[..., : mass.shape[-1]].index_add_(2, block_of[sel], mass)
+        if own is not None:
+            sel = own_rows[(own_rows >= s) & (own_rows < e)]
+            m_sel = None if mask is None else mask[:, :, sel, :n_vis]
+            mass = _row_block_mass(q[:, :, sel], kr[:, :, :n_vis], scaling, bs, offset + sel, m_sel)
+            own[..., : mass.shape[-1]].index_add_(2, block_of[sel], mass)
+    proxy /= torch.bincount(block_of[proxy_rows], minlength=n_qb)[:, None]  # the mean over a block's queries
+    if own is None:
+        own = proxy.repeat_interleave(group_size, dim=1)
+    else:
+        own /= torch.bincount(block_of[own_rows], minlength=n_qb)[:, None]
+
+    first_diag = [(offset + i * bs) // bs for i in range(n_qb)]  # key blocks from here on overlap the queries
+    last_block = [(offset + min((i + 1) * bs, nq) - 1) // bs for i in range(n_qb)]
+    n_cand = [max(0, f - 1) for f in first_diag]  # candidates: blocks 1 .. first_diag - 1
+    plan = [_budget(cfg, keep_share, c, hq) for c in n_cand]  # (n_min, n_max, total) per query block
+    dense = [total >= hq * c for c, (_, _, total) in zip(n_cand, plan)]
+    width = max(n_cand, default=0)
+    rank = torch.arange(width, device=dev)
+    in_range = rank[None, :] < torch.tensor(n_cand, device=dev)[:, None]  # (n_qb, width): candidate 1 + rank
+    order = proxy[..., 1 : 1 + width].masked_fill(~in_range, -math.inf).argsort(dim=-1, descending=True)
+    order = order.repeat_interleave(group_size, dim=1)  # (b, hq, n_qb, width): the group's ranking
+    own_c = own[..., 1 : 1 + width].masked_fill(~in_range, 0.0)
+    n_min, n_max, total = (torch.tensor([p[j] for p in plan], device=dev) for j in range(3))
+    counts = _budgets_per_block(torch.gather(own_c, 3, order), own.sum(-1) - own_c.sum(-1), total, n_min, n_max)
+    chosen = ((rank < counts[..., None]) | torch.tensor(dense, device=dev)[:, None]) & in_range
+    picked = torch.where(chosen, 1 + order, n_blocks)  # n_blocks: not kept
+    fixed = torch.tensor(_fixed_blocks(first_diag, last_block, n_blocks), device=dev)  # sink and diagonal
+    lists = torch.cat([fixed.expand(b, hq, -1, -1), picked], dim=-1).sort(dim=-1).values
+    lists = lists[..., : int((lists < n_blocks).sum(-1).max())]
+    return torch.where(lists < n_blocks, lists, -1), dense
+
+
+def _fixed_blocks(first_diag: list[int], last_block: list[int], pad: int) -> list[list[int]]:
+    """Per query block, the blocks always kept — the sink (0) and the diagonal blocks ``first_diag ..
+    last_block`` — padded with ``pad`` to a common length."""
+    kept = [sorted({0, *range(f, last + 1)}) for f, last in zip(first_diag, last_block)]
+    width = max(map(len, kept), default=0)
+    return [x + [pad] * (width - len(x)) for x in kept]
+
+
+def _budget(cfg: ProxyAttnConfig, keep_share: float, n_cand: int, hq: int) -> tuple[int, int, int]:
+    """``(n_min, n_max, total)``: the floor and ceiling of ranked blocks per head and the layer's
+    budget ``K`` for a query block with ``n_cand`` candidate blocks (see the module docstring)."""
     mean_budget = keep_share * n_cand
     n_min = min(n_cand, max(cfg.min_blocks, math.floor(cfg.floor_ratio * mean_budget)))
     n_max = min(n_cand, max(n_min, math.ceil(cfg.ceiling_ratio * mean_budget)))
-    total = min(max(round(mean_budget * hq), hq * n_min), hq * n_max)
-    if total >= hq * n_cand:
-        return None
+    return n_min, n_max, min(max(round(mean_budget * hq), hq * n_min), hq * n_max)
 
-    kr = _repeat_kv(k, hq // hkv)  # (b, hq, n, d)
-    proxy = block_mass(pool_heads(q, group_size, cfg.pooling), pool_heads(kr, group_size, cfg.pooling),
-                       scaling, bs, mask)  # (b, hq / group_size, J)
-    order = proxy[..., 1:first_diag].argsort(dim=-1, descending=True).repeat_interleave(group_size, dim=1)
-    if cfg.budget_from == "head":
-        r = min(cfg.budget_queries, c)
-        own = block_mass(q[:, :, -r:], kr, scaling, bs, None if mask is None else mask[:, :, -r:])
-    else:
-        own = proxy.repeat_interleave(group_size, dim=1)
-    cand = own[..., 1:first_diag]
-    counts = dynamic_budgets(torch.gather(cand, 2, order), own.sum(-1) - cand.sum(-1), total, n_min, n_max)
 
-    chosen = torch.arange(n_cand, device=q.device) < counts[..., None]  # (b, hq, N) in rank order
-    keep_block = torch.ones(b, hq, own.shape[-1], dtype=torch.bool, device=q.device)
-    keep_block[..., 1:first_diag] = torch.zeros_like(chosen).scatter(2, order, chosen)
-    keep = keep_block.repeat_interleave(bs, dim=-1)[..., :n]  # (b, hq, n)
-    pos = torch.arange(n, device=q.device)
-    idx = torch.where(keep, pos, pos + n).sort(dim=-1).values[..., : int(keep.sum(-1).max())]
-    return torch.where(idx < n, idx, -1)
+def _row_block_mass(q: torch.Tensor, k: torch.Tensor, scaling: float, block_size: int, qpos: torch.Tensor,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """Each query row's attention mass per key block, (b, h, r, J): ``softmax(q kᵀ · scaling + mask)``
+    over the keys at or before the row's position ``qpos`` (r,), summed within key blocks of ``k``'s
+    ``n`` positions. In place where it can be: the causal mask touches only the keys past the
+    earliest row, and rows can only be empty (NaN) under a padding mask."""
+    n = k.shape[2]
+    scores = (q.float() @ k.float().transpose(-1, -2)).mul_(scaling)  # (b, h, r, n)
+    if mask is not None:
+        scores.add_(mask.float())
+    first = int(qpos.min()) + 1 if qpos.numel() else n  # keys before this are visible to every row
+    if first < n:
+        scores[..., first:].masked_fill_(torch.arange(first, n, device=q.device)[None, :] > qpos[:, None], -math.inf)
+    probs = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        probs.nan_to_num_(0.0)
+    full = n - n % block_size
+    mass = probs[..., :full].unflatten(-1, (full // block_size, block_size)).sum(-1)
+    return torch.cat([mass, probs[..., full:].sum(-1, keepdim=True)], dim=-1) if full < n else mass
+
+
+def _budgets_per_block(mass: torch.Tensor, forced: torch.Tensor, total: torch.Tensor, n_min: torch.Tensor,
+                       n_max: torch.Tensor) -> torch.Tensor:
+    """:func:`dynamic_budgets` for every query block at once: ``mass`` (b, h, Q, N) in rank order, padded
+    past each block's candidates (their ranks are beyond ``n_max``); ``forced`` (b, h, Q); ``total``,
+    ``n_min``, ``n_max`` (Q,). Returns (b, h, Q) counts."""
+    b, h, nqb, width = mass.shape
+    if width == 0:
+        return torch.zeros(b, h, nqb, dtype=torch.long, device=mass.device)
+    before = forced[..., None].float() + mass.float().cumsum(-1) - mass.float()
+    rank = torch.arange(width, device=mass.device)
+    before = before.masked_fill(rank < n_min[:, None], -math.inf).masked_fill(rank >= n_max[:, None], math.inf)
+    flat = before.permute(0, 2, 1, 3).reshape(b, nqb, h * width)
+    place = torch.empty_like(flat, dtype=torch.long).scatter_(
+        2, flat.argsort(dim=-1, stable=True), torch.arange(h * width, device=mass.device).expand(b, nqb, -1))
+    won = place < total[None, :, None]
+    return won.view(b, nqb, h, width).sum(-1).permute(0, 2, 1)
 
 
 @register_sparsifier("proxyattn", ProxyAttnConfig)
@@ -224,16 +314,12 @@ def proxyattn(model: nn.Module, cfg: ProxyAttnConfig, *, sparsity: float,
 
     def attend(handle, q, k, v, mask, scaling):
         q_len, k_len = q.shape[2], k.shape[2]
+        if sparsity == 0:
+            return attend_subset(handle, q, k, v, mask, scaling, cfg.block_size, lambda *_: None)
         share = candidate_keep_share(q_len, k_len, cfg.block_size, sparsity, cfg.min_blocks)
-
-        def select(qc: torch.Tensor, kc: torch.Tensor, n_vis: int) -> torch.Tensor | None:
-            if sparsity == 0:
-                return None
-            s = n_vis - (k_len - q_len) - qc.shape[2]
-            rows = None if mask is None else mask[:, :, s : s + qc.shape[2], :n_vis]
-            return proxyattn_select(qc, kc, cfg, group_size=group, keep_share=share, scaling=scaling, mask=rows)
-
-        return attend_subset(handle, q, k, v, mask, scaling, cfg.block_size, select)
+        rows = None if mask is None else mask[:, :, :, :k_len].expand(q.shape[0], 1, -1, -1)
+        blocks, _ = proxyattn_blocks(q, k, cfg, group_size=group, keep_share=share, scaling=scaling, mask=rows)
+        return attend_lists(handle, q, k, v, mask, scaling, blocks, size=cfg.block_size, blocks=True)
 
     handle.attend = attend
     return handle

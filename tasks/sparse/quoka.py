@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.sparse_attention import gathered_attention
+from kernels.sparse_attention import block_sparse_attention, gathered_attention
 from tasks.common.config import require
 from tasks.sparse.registry import SparseMethodSpec, register_sparsifier
 
@@ -212,51 +212,45 @@ def attend_subset(handle: AttentionSparsity, q: torch.Tensor, k: torch.Tensor, v
 
     ``select(q_chunk, k_visible, n_visible) -> indices or None`` (None = all): (b, h_kv, n_keep), one
     key set per KV head shared by its GQA group, or (b, h_q, n_keep), one per query head, where ``-1``
-    pads heads that keep fewer keys (:mod:`tasks.sparse.proxyattn`).
-
-    Every chunk's keys are chosen first; then runs of chunks whose key lists have similar lengths
-    (:func:`_segments`) go to :func:`kernels.sparse_attention.gathered_attention` in one call each
-    (compiled Triton on CUDA, batched gathers on CPU), so padding the lists to a common length wastes
-    little. Returns (b, q_len, h_q, d) as transformers' attention functions do; counts skipped pairs."""
+    pads heads that keep fewer keys. Every chunk's keys are chosen first, then attended by
+    :func:`attend_lists`. Returns (b, q_len, h_q, d) as transformers' attention functions do."""
     b, hq, q_len, d = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
     offset = k_len - q_len
     starts = list(range(0, q_len, chunk_size))
-    lists = [select(q[:, :, s : s + chunk_size], k[:, :, : offset + min(s + chunk_size, q_len)],
-                    offset + min(s + chunk_size, q_len)) for s in starts]
-    hs = hq if any(x is not None and x.shape[1] == hq for x in lists) else hkv
-    lengths = [offset + min(s + chunk_size, q_len) if x is None else x.shape[-1] for s, x in zip(starts, lists)]
-    out = torch.empty_like(q)
-    for first, last in _segments(lengths):
-        qs, qe = starts[first], min(starts[last - 1] + chunk_size, q_len)
-        keys = torch.full((b, hs, last - first, max(lengths[first:last])), -1, dtype=torch.long, device=q.device)
-        for i in range(first, last):
-            x = lists[i]
-            if x is None:
-                x = torch.arange(lengths[i], device=q.device).expand(b, hs, -1)
-            elif x.shape[1] != hs:
-                x = _repeat_kv(x, hs // x.shape[1])
-            keys[:, :, i - first, : x.shape[-1]] = x
-        rows = None if mask is None else mask[:, :, qs:qe, : offset + qe].expand(b, 1, -1, -1)
-        out[:, :, qs:qe] = gathered_attention(q[:, :, qs:qe], k[:, :, : offset + qe], v[:, :, : offset + qe], keys,
-                                              chunk_size=chunk_size, scaling=scaling, mask=rows)
-        pos = torch.arange(offset + qs, offset + qe, device=q.device)
-        handle.visible += b * hq * int((pos + 1).sum())  # causal pairs (key j <= query i)
-        handle.skipped += b * hq * int((pos + 1).sum()) - (hq // hs) * _allowed_pairs(keys, offset + qs, offset + qe,
-                                                                                    chunk_size)
+    chosen = [select(q[:, :, s : s + chunk_size], k[:, :, : offset + min(s + chunk_size, q_len)],
+                     offset + min(s + chunk_size, q_len)) for s in starts]
+    hs = hq if any(x is not None and x.shape[1] == hq for x in chosen) else hkv
+    lengths = [offset + min(s + chunk_size, q_len) if x is None else x.shape[-1] for s, x in zip(starts, chosen)]
+    keys = torch.full((b, hs, len(starts), max(lengths, default=0)), -1, dtype=torch.long, device=q.device)
+    for i, x in enumerate(chosen):
+        if x is None:
+            x = torch.arange(lengths[i], device=q.device).expand(b, hs, -1)
+        keys[:, :, i, : x.shape[-1]] = _repeat_kv(x, hs // x.shape[1])
+    return attend_lists(handle, q, k, v, mask, scaling, keys, size=chunk_size)
+
+
+def attend_lists(handle: AttentionSparsity, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor | None, scaling: float, lists: torch.Tensor, *, size: int,
+                 blocks: bool = False) -> torch.Tensor:
+    """Attention of each chunk of ``size`` queries over its list: key positions (b, h_kv or h_q,
+    chunks, m), or key blocks of ``size`` positions when ``blocks``; ``-1`` pads. One call of
+    :mod:`kernels.sparse_attention` (compiled Triton on CUDA; on CPU, gathered keys into fused
+    attention, problems bucketed by list length so padding wastes little). Returns (b, q_len, h_q, d)
+    as transformers' attention functions do; counts skipped pairs on ``handle``."""
+    b, hq, q_len, _ = q.shape
+    offset = k.shape[2] - q_len
+    rows = None if mask is None else mask[:, :, :, : k.shape[2]].expand(b, 1, -1, -1)
+    if blocks:
+        out = block_sparse_attention(q, k, v, lists, block_size=size, scaling=scaling, mask=rows)
+        pos = lists[..., None] * size + torch.arange(size, device=q.device)
+        lists = torch.where((lists[..., None] >= 0) & (pos < k.shape[2]), pos, -1).flatten(-2)
+    else:
+        out = gathered_attention(q, k, v, lists, chunk_size=size, scaling=scaling, mask=rows)
+    visible = b * hq * int((torch.arange(offset, offset + q_len) + 1).sum())  # causal pairs (key <= query)
+    handle.visible += visible
+    handle.skipped += visible - (hq // lists.shape[1]) * _allowed_pairs(lists, offset, offset + q_len, size)
     return out.transpose(1, 2).contiguous()
-
-
-def _segments(lengths: Sequence[int], spread: float = 1.25) -> list[tuple[int, int]]:
-    """Runs ``[first, last)`` of consecutive chunks whose key-list lengths stay within ``spread`` of
-    the run's shortest, so padding each run's lists to its longest costs at most that factor."""
-    runs, first, low = [], 0, lengths[0] if lengths else 0
-    for i, n in enumerate(lengths):
-        low = min(low, n)
-        if i > first and n > spread * max(low, 1):
-            runs.append((first, i))
-            first, low = i, n
-    return runs + [(first, len(lengths))] if lengths else runs
 
 
 def _allowed_pairs(keys: torch.Tensor, start: int, end: int, chunk_size: int) -> int:

@@ -1,6 +1,6 @@
 """kernels.sparse_attention.cpu: the batched CPU path against the query-by-query definition, on every
 case of test_sparse_attention (odd sizes, KV prefixes, per-KV-head and per-query-head lists, a query
-with no allowed key), with and without a padding mask, and with groups of one chunk."""
+with no allowed key), with and without a padding mask, and however problems are bucketed."""
 
 from __future__ import annotations
 
@@ -32,10 +32,13 @@ def test_cpu_half_inputs_return_their_dtype(dtype):
     assert rel_err(y, ref) <= TOL[dtype]
 
 
-def test_groups_of_one_chunk_give_the_same_result(monkeypatch):
-    """The scores budget only decides how many chunks share one batched product."""
+@pytest.mark.parametrize(("budget", "spread"), [(1, 1.25), (1 << 22, 1.0), (1 << 22, 100.0)],
+                         ids=["one-problem-per-call", "equal-lengths-only", "one-bucket"])
+def test_how_problems_are_bucketed_does_not_change_the_result(monkeypatch, budget, spread):
+    """SCORES_BUDGET and SPREAD only decide which problems share a call and how far lists are padded."""
     case = _cases("gathered")[4]
     q, k, v, lists, mask = _problem("gathered", case, seed=5, masked=True)
     whole = _call(cpu, "gathered", q, k, v, lists, case.size, 0.3, mask)
-    monkeypatch.setattr(cpu, "SCORES_BUDGET", 1)
+    monkeypatch.setattr(cpu, "SCORES_BUDGET", budget)
+    monkeypatch.setattr(cpu, "SPREAD", spread)
     assert torch.allclose(_call(cpu, "gathered", q, k, v, lists, case.size, 0.3, mask), whole, atol=1e-6)

@@ -252,3 +252,54 @@ def test_a_continuation_on_a_kv_cache_is_exact_at_sparsity_zero_and_counts_its_p
                 assert torch.allclose(rest, full[:, 61:], atol=1e-5)
             else:
                 assert torch.isfinite(rest).all() and 0.4 < handle.achieved_sparsity() <= 0.5
+
+
+@pytest.mark.parametrize(("nq", "n", "budget_from", "proxy_queries"),
+                         [(61, 61, "head", None), (40, 75, "head", 3), (37, 37, "proxy", None), (29, 50, "proxy", 2)],
+                         ids=["prefill", "cached-prefix-pq3", "proxy-budget", "cached-proxy-pq2"])
+def test_all_blocks_at_once_equal_one_block_at_a_time(nq, n, budget_from, proxy_queries):
+    """proxyattn_blocks scores every query block in passes over the keys the pass's last query sees;
+    each block's lists must be those it gets scored alone over exactly its visible keys."""
+    from tasks.sparse.proxyattn import proxyattn_blocks
+
+    g = torch.Generator().manual_seed(nq)
+    q, k = torch.randn(1, 4, nq, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
+    mask = torch.zeros(1, 1, nq, n)
+    mask[..., :3] = -math.inf  # left padding
+    cfg = ProxyAttnConfig(sparsities=(0.5,), block_size=4, budget_from=budget_from, proxy_queries=proxy_queries)
+    kw = dict(group_size=2, keep_share=0.3, scaling=0.25, mask=mask)
+    whole, dense = proxyattn_blocks(q, k, cfg, rows_per_pass=8, **kw)
+    assert torch.equal(whole, proxyattn_blocks(q, k, cfg, rows_per_pass=1024, **kw)[0])
+    offset = n - nq
+    for i in range(-(-nq // 4)):
+        s, e = 4 * i, min(4 * i + 4, nq)
+        alone, one_dense = proxyattn_blocks(q[:, :, s:e], k[:, :, : offset + e], cfg, group_size=2, keep_share=0.3,
+                                            scaling=0.25, mask=mask[:, :, s:e, : offset + e])
+        assert one_dense == [dense[i]]
+        got = [{int(x) for x in row if x >= 0} for row in whole[0, :, i]]
+        assert got == [{int(x) for x in row if x >= 0} for row in alone[0, :, 0]], i
+
+
+def test_proxy_queries_choose_which_queries_score_the_proxy():
+    """All of a block's queries = the default; one query ranks blocks by that query's scores alone."""
+    from tasks.sparse.proxyattn import proxyattn_blocks
+
+    d, bs, n = 16, 8, 64
+    g = torch.Generator().manual_seed(6)
+    q = 0.05 * torch.randn(1, 2, bs, d, generator=g)
+    k = 0.05 * torch.randn(1, 1, n, d, generator=g)
+    k[0, 0, 2 * bs:3 * bs, 0] = 6.0  # block 2 answers the block's first queries, block 4 its last one
+    k[0, 0, 4 * bs:5 * bs, 1] = 6.0
+    q[0, :, :-1, 0] = 3.0
+    q[0, :, -1, 1] = 3.0
+    kw = dict(group_size=2, keep_share=0.0, scaling=0.25)  # the floor: one ranked block per head
+
+    def ranked(proxy_queries):
+        cfg = ProxyAttnConfig(sparsities=(0.5,), block_size=bs, budget_from="proxy", proxy_queries=proxy_queries)
+        blocks = proxyattn_blocks(q, k, cfg, **kw)[0]
+        return {int(x) for x in blocks[0, 0, 0]} - {0, n // bs - 1}
+
+    assert ranked(None) == ranked(bs) == {2}
+    assert ranked(1) == {4}
+    with pytest.raises(ValueError, match="proxy_queries: must be >= 1"):
+        ProxyAttnConfig(sparsities=(0.5,), proxy_queries=0)
