@@ -111,7 +111,8 @@ def compress_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def sparse_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    keys = ("variant", "run", "setting", "sparsity", "achieved_sparsity", "val_loss", "ppl", "delta_val_loss")
+    keys = ("model", "variant", "setting", "sparsity", "achieved_sparsity", "val_loss", "ppl", "delta_val_loss",
+            "speedup", "retrieval_acc")
     return [{k: r.get(k) for k in keys} for r in rows]
 
 

@@ -171,6 +171,22 @@ def text_tokens(paths: list[Path], tokenizer: Any, max_tokens: int, eos: int | N
     return np.asarray(out, dtype=np.int64)
 
 
+def prepared_text(prepared_dir: Path, tokenizer: Any, eval_tokens: int, train_tokens: int
+                  ) -> tuple[np.ndarray, np.ndarray | None, tuple]:
+    """A pretrained model's text from the prepared corpus, in its own tokenizer: the first
+    ``eval_tokens + 1`` validation tokens, the first ``train_tokens`` training tokens (None for 0),
+    and the two datasets as ``(DataRef, context)`` pairs for MLflow."""
+    shards = sorted((prepared_dir / "train").glob("*.parquet"))
+    if not shards:
+        raise FileNotFoundError(f"{prepared_dir / 'train'}: no prepared training text; run `scalelab run prepare` first")
+    eos = tokenizer.eos_token_id
+    val = text_tokens([prepared_dir / "val.parquet"], tokenizer, eval_tokens + 1, eos)
+    train = text_tokens(shards, tokenizer, train_tokens, eos) if train_tokens else None
+    data = ((data_ref(prepared_dir.parents[1], prepared_dir / "train", "prepared-train"), "calibration"),
+            (data_ref(prepared_dir.parents[1], prepared_dir / "val.parquet", "val"), "evaluation"))
+    return val, train, data
+
+
 @task(name="compress-pretrained", cache_policy=NO_CACHE)
 def compress_pretrained(name: str, cfg: CompressionConfig, prepared: str, out_dir: str, parent: RunRef,
                         final_dir: str | None = None) -> list[dict]:
@@ -179,19 +195,12 @@ def compress_pretrained(name: str, cfg: CompressionConfig, prepared: str, out_di
 
     set_process_threads(cfg.num_threads)
     model, tok, meta = load_causal_lm(name)
-    prepared_dir = Path(prepared)
-    shards = sorted((prepared_dir / "train").glob("*.parquet"))
-    if not shards:
-        raise FileNotFoundError(f"{prepared_dir / 'train'}: no prepared training text; run `scalelab run prepare` first")
-    val = text_tokens([prepared_dir / "val.parquet"], tok, cfg.pretrained_eval_tokens + 1, tok.eos_token_id)
-    calib = text_tokens(shards, tok, cfg.pretrained_calib_tokens, tok.eos_token_id) if cfg.pretrained_calib_tokens else None
+    val, calib, data = prepared_text(Path(prepared), tok, cfg.pretrained_eval_tokens, cfg.pretrained_calib_tokens)
     base_row = {"variant": "pretrained", "run": None, "n_params": meta.get("n_params"), "tokens": None}
     return run_settings(model=model, model_name=PRETRAINED[name], base_row=base_row, settings=cfg.pretrained_methods(),
                         val=val, calib=calib, seq_len=cfg.pretrained_seq_len, batch_size=cfg.pretrained_batch_size,
                         eval_tokens=cfg.pretrained_eval_tokens, out_dir=Path(out_dir), parent=parent,
-                        data=((data_ref(prepared_dir.parents[1], prepared_dir / "train", "prepared-train"), "calibration"),
-                              (data_ref(prepared_dir.parents[1], prepared_dir / "val.parquet", "val"), "evaluation")),
-                        base={"base": name}, final_dir=Path(final_dir) if final_dir else None)
+                        data=data, base={"base": name}, final_dir=Path(final_dir) if final_dir else None)
 
 
 @flow(name="compress", log_prints=True)

@@ -26,7 +26,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from tokenizers import Tokenizer
 
-from flows.compress import PRETRAINED, check_overlap, calib_eval_overlap, text_tokens
+from flows.compress import PRETRAINED, calib_eval_overlap, check_overlap, prepared_text
 from flows.evaluate_models import tokens_path, trained_models, val_tokens_path
 from flows.runtime import map_tasks
 from flows.stage import stage_context, stage_run, write_table
@@ -139,11 +139,7 @@ def prune_pretrained(name: str, cfg: PruningConfig, prepared: str, parent: RunRe
     model, tok, _ = load_causal_lm(name)
     recovery = cfg.pretrained_recovery or cfg.recovery
     prepared_dir = Path(prepared)
-    shards = sorted((prepared_dir / "train").glob("*.parquet"))
-    if not shards:
-        raise FileNotFoundError(f"{prepared_dir / 'train'}: no prepared training text; run `scalelab run prepare` first")
-    val = text_tokens([prepared_dir / "val.parquet"], tok, cfg.pretrained_eval_tokens + 1, tok.eos_token_id)
-    train = text_tokens(shards, tok, cfg.pretrained_calib_tokens + recovery.tokens, tok.eos_token_id)
+    val, train, _ = prepared_text(prepared_dir, tok, cfg.pretrained_eval_tokens, cfg.pretrained_calib_tokens + recovery.tokens)
     calib, rec = split_train(train, cfg.pretrained_calib_tokens, recovery, f"{prepared_dir / 'train'} ({name})")
     base_row = {"model": PRETRAINED[name], "variant": "pretrained", "run": None}
     save = _saver(cfg.save, tok, save_dir, final_dir, workdir, {"source": name, "variant": "pretrained"})

@@ -425,6 +425,15 @@ def sparse_section(reports: Reports) -> tuple[Section, list[str]]:
         best_lines.append(f"{top['setting']} (Δ loss {_delta(top['delta_median'])})")
     sec.notes.append("A level is the share skipped: weight reads for activation sparsity (TEAL, WINA), causal "
                      "KV pairs for attention sparsity (QuoKA, ProxyAttn); `achieved` is what was measured.")
+    if "model" in f.columns and "variant" in f.columns:
+        for r in f.filter(pl.col("variant").cast(pl.String) == PRETRAINED).iter_rows(named=True):
+            extra = [f"ppl {_fmt(r.get('ppl'))} (dense {_fmt(math.exp(r['dense_val_loss']))})"
+                     if r.get("ppl") is not None and r.get("dense_val_loss") is not None else None,
+                     f"retrieval {_fmt(r.get('retrieval_acc'))} (dense {_fmt(r.get('dense_retrieval_acc'))})"
+                     if r.get("retrieval_acc") is not None else None,
+                     f"speed-up {_fmt(r.get('speedup'))}x" if r.get("speedup") is not None else None]
+            sec.notes.append(f"{r['model']} {r['setting']} (achieved {_fmt(r['achieved_sparsity'])}): "
+                             + ", ".join(x for x in extra if x) + ".")
     return sec, ["Sparse, best per level (median rise in loss): " + "; ".join(best_lines) + "."]
 
 

@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
 from tasks.common.config import require
-from tasks.compression.registry import MethodRegistry, MethodSpec, RegisteredMethod
+from tasks.compression.registry import PRETRAINED_MODELS, MethodRegistry, MethodSpec, RegisteredMethod
 
 SiteFn = Callable[[torch.Tensor], torch.Tensor]
 """Maps a module's input (..., d) to its sparsified version (same shape and dtype)."""
@@ -179,6 +179,15 @@ class SparseEvalConfig:
     methods that calibrate (TEAL's threshold mode); ``seq_len`` (None = the model's training
     length) and ``batch_size`` of the evaluation windows. ``num_threads``: torch threads per
     process, set by the stage so its numbers do not depend on what ran before it.
+    ``speed``: which points' sparse paths are timed against the dense ones (:mod:`tasks.sparse.speed`):
+    ``all``, ``attention`` (QuoKA, ProxyAttn only: TEAL's and WINA's timing needs the C++ sparse
+    GEMV, built on first use in about a minute) or ``none``.
+
+    ``pretrained``: pretrained models also evaluated (``smollm2``: SmolLM2-135M), on the prepared
+    validation text in their own tokenizer, with ``pretrained_settings`` (empty = the enabled ones),
+    ``pretrained_eval_tokens``, ``pretrained_seq_len``, ``pretrained_batch_size`` and
+    ``pretrained_num_threads``; ``retrieval``: the needle set (:class:`tasks.sparse.retrieval.
+    RetrievalConfig` fields) each of their points is also scored on, ``{}`` = none.
     """
 
     settings: dict[str, dict[str, Any]]
@@ -189,8 +198,18 @@ class SparseEvalConfig:
     seq_len: int | None = None
     batch_size: int = 16
     num_threads: int = 1
+    speed: Literal["all", "attention", "none"] = "all"
+    pretrained: tuple[str, ...] = ()
+    pretrained_settings: tuple[str, ...] = ()
+    pretrained_eval_tokens: int = 4096
+    pretrained_seq_len: int = 1024
+    pretrained_batch_size: int = 2
+    pretrained_num_threads: int = 2
+    retrieval: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from tasks.sparse.retrieval import RetrievalConfig
+
         require(len(self.settings) > 0, "settings", "needs at least one setting")
         SPARSIFIERS.validate_section(self.settings, self.enabled)
         require(self.eval_tokens >= 2, "eval_tokens", f"must be >= 2, got {self.eval_tokens}")
@@ -199,10 +218,32 @@ class SparseEvalConfig:
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0 = torch's default), got {self.num_threads}")
         require(len(set(self.models)) == len(self.models), "models", f"has duplicates: {list(self.models)}")
+        unknown = [p for p in self.pretrained if p not in PRETRAINED_MODELS]
+        require(not unknown, "pretrained", f"unknown pretrained model(s) {unknown}; known: {list(PRETRAINED_MODELS)}")
+        missing = [n for n in self.pretrained_settings if n not in self.settings]
+        require(not missing, "pretrained_settings", f"names settings that are not defined: {missing}")
+        for name in ("pretrained_eval_tokens", "pretrained_seq_len"):
+            require(getattr(self, name) >= 2, name, f"must be >= 2, got {getattr(self, name)}")
+        require(self.speed in ("all", "attention", "none"), "speed",
+                f"expected one of all, attention, none, got {self.speed!r}")
+        require(self.pretrained_batch_size >= 1, "pretrained_batch_size", f"must be >= 1, got {self.pretrained_batch_size}")
+        require(self.pretrained_num_threads >= 0, "pretrained_num_threads",
+                f"must be >= 0 (0 = torch's default), got {self.pretrained_num_threads}")
+        if self.retrieval:
+            try:
+                RetrievalConfig(**self.retrieval)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"retrieval: {e}") from None
 
     def methods(self) -> dict[str, tuple[str, SparseMethodSpec]]:
         """The enabled settings as ``{setting: (method_name, cfg)}``, in file order."""
         parsed = parse_settings(self.settings)
         names = self.enabled or tuple(parsed)
+        return {n: parsed[n] for n in names}
+
+    def pretrained_methods(self) -> dict[str, tuple[str, SparseMethodSpec]]:
+        """The settings run on pretrained models (``pretrained_settings``, else the enabled ones)."""
+        parsed = parse_settings(self.settings)
+        names = self.pretrained_settings or self.enabled or tuple(parsed)
         return {n: parsed[n] for n in names}
 
