@@ -47,7 +47,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -123,17 +123,21 @@ class NuBitQConfig(MethodSpec):
 # Weighted 1-D Lloyd, batched over segments (each segment has its own codebook)
 
 
-def weighted_lloyd(x: torch.Tensor, weight: torch.Tensor, levels: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lloyd / k-means in 1-D per segment: ``x``, ``weight`` (S, n) -> codebook (S, levels) sorted
-    ascending (fp16 grid) and codes (S, n) int64 minimising ``Σ weight (x - codebook[code])^2``.
+class SortedSegments(NamedTuple):
+    """What every Lloyd fit of the same segments shares, whatever the number of levels: the values
+    ``x`` (S, n) fp32, sorted per segment ``xs``, and prefix sums (S, n + 1) float64 over the sorted
+    values of (w, w x, w x^2) (``prefix``) and of (1, x, x^2) (``ones``)."""
 
-    In 1-D a level's cell is an interval of the sorted values, so after one sort each Lloyd step is
-    ``levels`` binary searches and prefix-sum differences (``O(levels log n)`` per segment, not
-    ``O(n)``). Lloyd only finds a local optimum (with very uneven weights, heavy points pin levels
-    early), so it runs from three starts and keeps, per segment, the best: the weighted quantiles
-    ``(k + ½) / levels``, a uniform grid over ``[min, max]`` (RTN's grid, good for heavy tails) and
-    the unweighted k-means solution. An empty level keeps its value.
-    """
+    x: torch.Tensor
+    xs: torch.Tensor
+    prefix: list[torch.Tensor]
+    ones: list[torch.Tensor]
+
+
+def sort_segments(x: torch.Tensor, weight: torch.Tensor) -> SortedSegments:
+    """Sort ``x`` (S, n) per segment and take the prefix sums :func:`weighted_lloyd` steps on.
+
+    The sort is most of a fit's cost, so a layer fitted at several widths sorts once."""
     S, n = x.shape
     x = x.float()
     wt = weight.float().clamp(min=0) + 1e-12  # a zero-weight segment still gets sensible levels
@@ -144,6 +148,25 @@ def weighted_lloyd(x: torch.Tensor, weight: torch.Tensor, levels: int, iters: in
     zero = torch.zeros(S, 1, dtype=torch.float64)
     prefix = [torch.cat([zero, torch.cumsum(v, 1)], 1) for v in (ws, ws * xd, ws * xd * xd)]
     ones = [torch.cat([zero, torch.cumsum(v, 1)], 1) for v in (torch.ones_like(xd), xd, xd * xd)]
+    return SortedSegments(x=x, xs=xs, prefix=prefix, ones=ones)
+
+
+def weighted_lloyd(x: torch.Tensor, weight: torch.Tensor, levels: int, iters: int, *,
+                   segments: SortedSegments | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd / k-means in 1-D per segment: ``x``, ``weight`` (S, n) -> codebook (S, levels) sorted
+    ascending (fp16 grid) and codes (S, n) int64 minimising ``Σ weight (x - codebook[code])^2``.
+
+    In 1-D a level's cell is an interval of the sorted values, so after one sort each Lloyd step is
+    ``levels`` binary searches and prefix-sum differences (``O(levels log n)`` per segment, not
+    ``O(n)``). Lloyd only finds a local optimum (with very uneven weights, heavy points pin levels
+    early), so it runs from three starts and keeps, per segment, the best: the weighted quantiles
+    ``(k + ½) / levels``, a uniform grid over ``[min, max]`` (RTN's grid, good for heavy tails) and
+    the unweighted k-means solution. An empty level keeps its value.
+
+    ``segments``: :func:`sort_segments` of the same ``x`` and ``weight``, when several widths share it.
+    """
+    x, xs, prefix, ones = segments if segments is not None else sort_segments(x, weight)
+    n = xs.shape[1]
     cw = prefix[0][:, 1:]
     targets = ((torch.arange(levels, dtype=torch.float64) + 0.5) / levels * cw[:, -1:]).contiguous()
     quantile_start = torch.gather(xs, 1, torch.searchsorted(cw.contiguous(), targets).clamp(max=n - 1))
@@ -236,11 +259,21 @@ def _segments(w: torch.Tensor, imp: torch.Tensor, scope: Scope, group_size: int)
 
 def fit_layer(w: torch.Tensor, imp: torch.Tensor, bits: int, scope: Scope, group_size: int, iters: int) -> LayerCode:
     """Codebooks and codes of ``w`` (rows, cols) at ``bits`` under per-weight importance ``imp`` (rows, cols)."""
+    return fit_layer_widths(w, imp, (bits,), scope, group_size, iters)[bits]
+
+
+def fit_layer_widths(w: torch.Tensor, imp: torch.Tensor, widths: tuple[int, ...], scope: Scope, group_size: int,
+                     iters: int) -> dict[int, LayerCode]:
+    """:func:`fit_layer` at every width of ``widths``, sorting the weights once for all of them."""
     rows, cols = w.shape
     x, m, scale = _segments(w.float(), imp.float(), scope, group_size)
-    c, codes = weighted_lloyd(x, m, 2**bits, iters)
-    codes = codes.reshape(rows, -1)[:, :cols].to(torch.uint8)
-    return LayerCode(bits=bits, codes=codes, codebook=c, row_scale=scale)
+    segments = sort_segments(x, m)
+    out = {}
+    for bits in widths:
+        c, codes = weighted_lloyd(x, m, 2**bits, iters, segments=segments)
+        out[bits] = LayerCode(bits=bits, codes=codes.reshape(rows, -1)[:, :cols].to(torch.uint8), codebook=c,
+                              row_scale=scale)
+    return out
 
 
 def decode_layer(code: LayerCode, cols: int, scope: Scope, group_size: int) -> torch.Tensor:
@@ -487,8 +520,7 @@ def compress_nubitq(model: nn.Module, cfg: NuBitQConfig, *, calib_tokens: np.nda
     for name, w in weights.items():
         imp = importance(name)
         fits[name], errors[name], costs[name] = {}, {}, {}
-        for b in choices:
-            code = fit_layer(w, imp, b, cfg.codebook, cfg.group_size, cfg.lloyd_iters)
+        for b, code in fit_layer_widths(w, imp, choices, cfg.codebook, cfg.group_size, cfg.lloyd_iters).items():
             deq = decode_layer(code, w.shape[1], cfg.codebook, cfg.group_size)
             fits[name][b] = code
             errors[name][b] = 0.5 * float((imp * (w - deq) ** 2).sum())

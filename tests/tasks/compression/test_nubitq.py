@@ -173,3 +173,21 @@ def test_row_codebooks_with_block_correction_round_trip(setup, tmp_path):
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         NuBitQConfig(**bad)
+
+
+@pytest.mark.parametrize("scope", ["row", "group", "tensor"])
+def test_fitting_several_widths_from_one_sort_equals_fitting_each(scope):
+    from tasks.compression.nubitq import fit_layer, fit_layer_widths
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(37, 130, generator=g) ** 3
+    imp = torch.exp(torch.randn(37, 1, generator=g) + torch.randn(1, 130, generator=g))
+    shared = fit_layer_widths(w, imp, (2, 3, 4), scope, 64, iters=7)
+    assert list(shared) == [2, 3, 4]
+    for bits, code in shared.items():
+        alone = fit_layer(w, imp, bits, scope, 64, iters=7)
+        assert code.bits == bits and code.codebook.shape[1] == 2**bits
+        assert torch.equal(code.codes, alone.codes) and torch.equal(code.codebook, alone.codebook)
+        assert (code.row_scale is None) == (scope != "tensor")
+        if scope == "tensor":
+            assert torch.equal(code.row_scale, alone.row_scale)
