@@ -40,6 +40,7 @@ from tasks.compression.registry import (
 )
 from tasks.evaluation.loss import evaluate_loss
 from tasks.training.loop import load_model, set_process_threads
+from tasks.training.model import resolve_llama_classes
 from tasks.training.tokenizer import load_tokens
 
 # Pretrained models the stage can include, by params name -> the name its rows carry.
@@ -136,7 +137,6 @@ def run_settings(
     return rows
 
 
-@task(name="compress-model", cache_policy=NO_CACHE)
 def compress_model(model_row: dict, cfg: CompressionConfig, out_dir: str, parent: RunRef,
                    final_dir: str | None = None) -> list[dict]:
     """Every enabled setting on one trained model (``model_row["data"]``: its datasets, when given)."""
@@ -187,20 +187,29 @@ def prepared_text(prepared_dir: Path, tokenizer: Any, eval_tokens: int, train_to
     return val, train, data
 
 
-@task(name="compress-pretrained", cache_policy=NO_CACHE)
 def compress_pretrained(name: str, cfg: CompressionConfig, prepared: str, out_dir: str, parent: RunRef,
-                        final_dir: str | None = None) -> list[dict]:
-    """Every pretrained setting on one pretrained model (``smollm2``), on the prepared train/val text."""
+                        final_dir: str | None = None, settings: tuple[str, ...] = ()) -> list[dict]:
+    """The pretrained settings (``settings`` of them; empty = every one) on one pretrained model
+    (``smollm2``), on the prepared train/val text."""
     from tasks.common.models import load_causal_lm
 
     set_process_threads(cfg.num_threads)
     model, tok, meta = load_causal_lm(name)
     val, calib, data = prepared_text(Path(prepared), tok, cfg.pretrained_eval_tokens, cfg.pretrained_calib_tokens)
     base_row = {"variant": "pretrained", "run": None, "n_params": meta.get("n_params"), "tokens": None}
-    return run_settings(model=model, model_name=PRETRAINED[name], base_row=base_row, settings=cfg.pretrained_methods(),
+    methods = cfg.pretrained_methods()
+    methods = {k: methods[k] for k in settings} if settings else methods
+    return run_settings(model=model, model_name=PRETRAINED[name], base_row=base_row, settings=methods,
                         val=val, calib=calib, seq_len=cfg.pretrained_seq_len, batch_size=cfg.pretrained_batch_size,
                         eval_tokens=cfg.pretrained_eval_tokens, out_dir=Path(out_dir), parent=parent,
                         data=data, base={"base": name}, final_dir=Path(final_dir) if final_dir else None)
+
+
+@task(name="compress-model", cache_policy=NO_CACHE)
+def compress_job(kind: str, job: dict) -> list[dict]:
+    """One unit of the stage's work: ``ladder`` (a trained model) or ``pretrained`` (SmolLM2)."""
+    fn = {"ladder": compress_model, "pretrained": compress_pretrained}[kind]
+    return fn(**job)
 
 
 @flow(name="compress", log_prints=True)
@@ -216,19 +225,28 @@ def compress_flow(
     with stage_run(ctx, "compress", cfg) as run, atomic_dir(ctx.layout.compressed) as out:
         models = trained_models(ctx, cfg.models)
         data = model_datasets(ctx, models)
+        # Pretrained models first, one job per setting (each ~100x a ladder model; the model loads from
+        # its cache after the first job, tasks.common.models), the ladder's short jobs after them.
         jobs = [
-            dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m)),
-                                "data": data[m["variant"]]},
-                 cfg=cfg, out_dir=str(out / m["variant"] / m["run"]), parent=run.ref(),
-                 final_dir=str(ctx.layout.compressed / m["variant"] / m["run"]))
+            dict(kind="pretrained", job=dict(name=name, cfg=cfg, prepared=str(ctx.layout.prepared),
+                                             out_dir=str(out / "pretrained" / PRETRAINED[name]), parent=run.ref(),
+                                             final_dir=str(ctx.layout.compressed / "pretrained" / PRETRAINED[name]),
+                                             settings=(setting,)))
+            for name in cfg.pretrained for setting in cfg.pretrained_methods()
+        ]
+        n_pre = len(jobs)
+        jobs += [
+            dict(kind="ladder", job=dict(
+                model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m)),
+                               "data": data[m["variant"]]},
+                cfg=cfg, out_dir=str(out / m["variant"] / m["run"]), parent=run.ref(),
+                final_dir=str(ctx.layout.compressed / m["variant"] / m["run"])))
             for m in models
         ]
-        rows = [r for rs in map_tasks(ctx.pipeline, compress_model, jobs) for r in rs]
-        # One at a time: a pretrained model is ~100x a ladder model, and its own threads use the cores.
-        for name in cfg.pretrained:
-            rows += compress_pretrained.fn(name, cfg, str(ctx.layout.prepared),
-                                           str(out / "pretrained" / PRETRAINED[name]), run.ref(),
-                                           final_dir=str(ctx.layout.compressed / "pretrained" / PRETRAINED[name]))
+        if cfg.pretrained:
+            resolve_llama_classes()
+        results = map_tasks(ctx.pipeline, compress_job, jobs)
+        rows = [r for rs in results[n_pre:] + results[:n_pre] for r in rs]  # the ladder's rows first, as before
         write_table(ctx, "compress", rows, run)
         publish_table(run, "compress", ctx.preset, compress_table(rows), "Compression: loss at measured bits per weight",
                       "`delta_val_loss` is the compressed model's validation loss minus the uncompressed one's.")

