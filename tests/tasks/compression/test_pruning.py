@@ -57,6 +57,18 @@ def test_pretrained_settings_default_to_the_enabled_ones():
     assert list(PruningConfig(settings=SETTINGS, pretrained_settings=("e",)).methods(pretrained=True)) == ["e"]
 
 
+def test_smollm2_runs_the_block_removers_and_gradpruner_in_the_demo_and_not_in_ci():
+    from pathlib import Path
+
+    from tasks.common.params import load_stage_config
+
+    root = Path(__file__).resolve().parents[3]
+    demo, ci, full = (load_stage_config(PruningConfig, root, "pruning", p) for p in ("demo", "ci", "full"))
+    assert ci.pretrained == () and demo.pretrained == full.pretrained == ("smollm2",)
+    assert {m for m, _ in demo.methods(pretrained=True).values()} == {"entrodrop", "cosine_drop", "gradpruner"}
+    assert {m for m, _ in full.methods(pretrained=True).values()} >= {"entrodrop", "cosine_drop", "gradpruner", "inhernet"}
+
+
 def test_flops_count_every_linear_and_the_attention_that_is_left():
     model = tiny_llama(4)
     # 4 layers x (q,k,v,o: 64*64 + 64*32*2 + 64*64, gate/up/down: 3*64*128) + head 64*256
