@@ -12,7 +12,6 @@ scored on the prepared validation text, both tokenized with their own tokenizer,
 
 from __future__ import annotations
 
-import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from tasks.compression.registry import (
     model_from_tensors,
     save_compressed,
 )
-from tasks.evaluation.loss import evaluate_loss
+from tasks.evaluation.loss import evaluate_loss, perplexity
 from tasks.training.loop import load_model, set_process_threads
 from tasks.training.model import resolve_llama_classes
 from tasks.training.tokenizer import load_tokens
@@ -119,7 +118,7 @@ def run_settings(
             for bits, bpw, qmodel in precision_models(cm, model):
                 loss = evaluate_loss(qmodel, val, seq_len, batch_size, max_tokens=eval_tokens)
                 suffix = f"@w{bits}" if multi else ""  # the row's setting; MLflow metric names get _w<bits>
-                metrics = {"val_loss": loss, "ppl": math.exp(loss), "ppl_fp": math.exp(base_loss),
+                metrics = {"val_loss": loss, "ppl": perplexity(loss), "ppl_fp": perplexity(base_loss),
                            "bits_per_weight": bpw, "bytes_on_disk": size, "base_val_loss": base_loss,
                            "delta_val_loss": loss - base_loss, "calib_eval_overlap": overlap}
                 run.log_metrics({f"{k}_w{bits}" if multi else k: v for k, v in metrics.items() if v is not None})

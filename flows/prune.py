@@ -267,11 +267,9 @@ def save_model(model: Any, tok: Any, out: Path, record: dict[str, Any]) -> Path:
 
 
 def _ppl(model: Any, val: np.ndarray, seq_len: int, batch_size: int) -> float:
-    import math
+    from tasks.evaluation.loss import evaluate_loss, perplexity
 
-    from tasks.evaluation.loss import evaluate_loss
-
-    return math.exp(evaluate_loss(model, val, seq_len, batch_size))
+    return perplexity(evaluate_loss(model, val, seq_len, batch_size))
 
 
 def prune_command(args: Any, root: Path) -> int:

@@ -12,7 +12,6 @@ run per point.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.lineage import log_datasets
 from tasks.common.tracking import RunRef, tracked_run
-from tasks.evaluation.loss import evaluate_loss
+from tasks.evaluation.loss import evaluate_loss, perplexity
 from tasks.sparse.registry import SparseEvalConfig, sparsify
 from tasks.sparse.retrieval import RetrievalConfig, build_retrieval_set, retrieval_accuracy, score_retrieval
 from tasks.sparse.speed import measured_speedup
@@ -57,7 +56,7 @@ def run_points(*, model: Any, model_name: str, base_row: dict, settings: dict, v
                 handle = sparsify(model, mcfg, sparsity=sparsity, calib_tokens=calib)
                 with handle:
                     loss = evaluate_loss(model, val, seq_len, batch_size, max_tokens=eval_tokens)
-                metrics = {"val_loss": loss, "ppl": math.exp(loss), "achieved_sparsity": handle.achieved_sparsity(),
+                metrics = {"val_loss": loss, "ppl": perplexity(loss), "achieved_sparsity": handle.achieved_sparsity(),
                            "dense_val_loss": dense, "delta_val_loss": loss - dense,
                            "speedup": measured_speedup(model, handle, sparsity, seq_len, speed),
                            "retrieval_acc": retrieval_accuracy(score_retrieval(model, items, handle)) if items else None,

@@ -36,7 +36,7 @@ from tasks.common.config import require, to_dict
 from tasks.compression.distill import LOSSES, DistillConfig, recover, token_windows
 from tasks.compression.paser import PaserConfig, paser_select, random_select, sample_degradation
 from tasks.compression.registry import PRUNERS, MethodSpec
-from tasks.evaluation.loss import evaluate_loss
+from tasks.evaluation.loss import evaluate_loss, perplexity
 
 # The recovery losses a params file may name: (distill loss, CSD weighting).
 RECOVERY_LOSSES = {"csd": ("csd", "mode_seeking"), "csd_cover": ("csd", "mode_covering"),
@@ -294,7 +294,7 @@ def prune_rows(
     """
 
     def ppl(m: nn.Module) -> float:
-        return math.exp(evaluate_loss(m, val, seq_len, batch_size, max_tokens=eval_tokens))
+        return perplexity(evaluate_loss(m, val, seq_len, batch_size, max_tokens=eval_tokens))
 
     dense_params = n_params(model)
     dense = {"setting": "dense", "method": "dense", "granularity": None, "removed": "", "removed_fraction": 0.0,

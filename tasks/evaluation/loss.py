@@ -8,6 +8,8 @@ with :func:`target_indices` aligning losses to the tokens they score).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -98,6 +100,19 @@ def evaluate_loss(
     """
     losses = token_losses(model, tokens, seq_len, batch_size, max_tokens=max_tokens, device=device)
     return float(losses.sum() / losses.size)
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``, ``inf`` where that overflows a float (a mean loss above ~709.8 nats, e.g. a
+    diverged recovery run): the row is kept and reads as infinitely bad instead of failing the stage.
+
+    >>> perplexity(0.0), perplexity(1e4)
+    (1.0, inf)
+    """
+    return math.inf if loss >= _MAX_EXP else math.exp(loss)  # NaN stays NaN
+
+
+_MAX_EXP = math.log(np.finfo(np.float64).max)
 
 
 def target_indices(n_losses: int) -> np.ndarray:

@@ -46,7 +46,7 @@ from torch import nn
 from tasks.common.config import to_dict
 from tasks.common.faults import fault_point
 from tasks.common.io import atomic_path, read_json, write_json
-from tasks.evaluation.loss import evaluate_loss
+from tasks.evaluation.loss import evaluate_loss, perplexity
 from tasks.training.config import TrainingConfig
 from tasks.training.design import RunSpec, ladder, lr_at, run_name, stable_steps  # noqa: F401  (re-exported)
 from tasks.training.model import build_model, peak_flops
@@ -529,7 +529,7 @@ class _Trainer:
                                          cfg.batch_size, self.device)
         return TrainResult(
             name=spec.name, n_params=spec.n_params, n_params_total=spec.n_params_total, tokens=d, steps=spec.steps,
-            val_loss=val, ppl=math.exp(val) if val is not None else None, tokens_per_s=tps,
+            val_loss=val, ppl=perplexity(val) if val is not None else None, tokens_per_s=tps,
             flops_per_token=spec.flops_per_token, flops_total=spec.flops_per_token * d,
             wall_s=self.prior_wall + time.perf_counter() - self.t_start,
             mfu=(spec.flops_per_token * tps / peak) if peak else None,

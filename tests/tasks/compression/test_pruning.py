@@ -244,3 +244,24 @@ def test_flops_count_inhernet_factors():
     # down (8x64) + gate (2x8) + up (2x128x8); the factored o_proj still counts as an attention block
     assert matmul_params(holder) == 8 * 64 + 2 * 8 + 2 * 128 * 8
     assert forward_flops_per_token(holder, 10) == 2 * matmul_params(holder) + 4 * 10 * 64
+
+
+def test_a_diverged_recovery_reads_as_infinite_perplexity_and_the_other_rows_stay(monkeypatch):
+    """A mean loss past ~709.8 nats overflows exp(); the stage keeps the row (ppl inf) instead of failing."""
+    from tasks.compression import pruning
+
+    real = pruning.evaluate_loss
+    calls = []
+
+    def diverging_after_recovery(m, *args, **kwargs):
+        calls.append(1)
+        return 1e4 if len(calls) in (3, 4) else real(m, *args, **kwargs)  # the recovered model's curve end
+
+    monkeypatch.setattr(pruning, "evaluate_loss", diverging_after_recovery)
+    cfg = PruningConfig(settings={"c": SETTINGS["c"]}, recovery=RecoveryConfig(losses=("kl",), steps=1, batch_size=2,
+                                                                                seq_len=32, tokens=256, lr=1e-3))
+    rows, curves = prune_rows(with_identity(tiny_llama(3), 1), settings=cfg.methods(), recovery=cfg.recovery,
+                              calib=tokens(256, 1), train=tokens(256, 3), val=tokens(257, 4), seq_len=32, batch_size=4,
+                              eval_tokens=256, base_row={"model": "tiny"})
+    assert [r["setting"] for r in rows] == ["dense", "c", "c"]
+    assert np.isfinite(rows[0]["ppl"]) and np.isfinite(rows[1]["ppl"]) and rows[2]["ppl"] == float("inf")
