@@ -27,11 +27,11 @@ from prefect.cache_policies import NO_CACHE
 from tokenizers import Tokenizer
 
 from flows.compress import PRETRAINED, calib_eval_overlap, check_overlap, prepared_text
-from flows.evaluate_models import tokens_path, trained_models, val_tokens_path
+from flows.evaluate_models import model_datasets, tokens_path, trained_models, val_tokens_path
 from flows.runtime import map_tasks
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.io import atomic_dir
-from tasks.common.lineage import log_model_ref
+from tasks.common.lineage import log_datasets, log_model_ref
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.compression.pruning import (
     PruneTables, PruningConfig, RecoveryConfig, SaveConfig, largest_per_variant, plot_recovery_curves, prune_rows,
@@ -46,9 +46,11 @@ def pruned_model_key(variant: str, model: str, row: str) -> str:
     return f"{variant}/{model}/pruned/{row}"
 
 
-def _logger(parent: RunRef, model_name: str, workdir: str | Path = "."):
+def _logger(parent: RunRef, model_name: str, workdir: str | Path = ".", data: tuple = ()):
     """``log(setting, params, metrics, curve)``: one MLflow child run per row of the table, the
-    recovery curve as step metrics (``curve_ppl``, ``curve_recovery_tokens`` at each recovery step).
+    recovery curve as step metrics (``curve_ppl``, ``curve_recovery_tokens`` at each recovery step),
+    the model's ``data`` (``(DataRef, context)`` pairs: its training text, calibration and recovery
+    windows included, and the validation text it is scored on) as the run's datasets.
 
     A row whose model was kept (``params["model_path"]``, relative to ``workdir``) is also logged as
     an MLflow model by reference (:func:`tasks.common.lineage.log_model_ref`: the pyfunc loads the
@@ -60,6 +62,8 @@ def _logger(parent: RunRef, model_name: str, workdir: str | Path = "."):
                          params=params | {"stage": "prune", "model": model_name, "setting": setting},
                          tags={"scalelab.stage": "prune"}) as run:
             run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+            for ref, context in data:
+                log_datasets(run, [ref], context)
             for point in curve:
                 run.log_metrics({"curve_ppl": point["ppl"], "curve_recovery_tokens": point["recovery_tokens"]},
                                 step=point["step"])
@@ -126,7 +130,7 @@ def prune_model(model_row: dict, cfg: PruningConfig, parent: RunRef, save_dir: s
                   {"source": model_row["model_dir"], "variant": model_row["variant"], "run": model_row["run"]})
     return prune_rows(model, settings=cfg.methods(), recovery=cfg.recovery, calib=calib, train=train, val=val,
                       seq_len=seq_len, batch_size=cfg.batch_size, eval_tokens=cfg.eval_tokens, base_row=base_row,
-                      log=_logger(parent, model_row["run"], workdir),
+                      log=_logger(parent, model_row["run"], workdir, model_row.get("data", ())),
                       texts=lambda w: tokenizer.decode_batch(w.tolist()), save=save)
 
 
@@ -139,14 +143,14 @@ def prune_pretrained(name: str, cfg: PruningConfig, prepared: str, parent: RunRe
     model, tok, _ = load_causal_lm(name)
     recovery = cfg.pretrained_recovery or cfg.recovery
     prepared_dir = Path(prepared)
-    val, train, _ = prepared_text(prepared_dir, tok, cfg.pretrained_eval_tokens, cfg.pretrained_calib_tokens + recovery.tokens)
+    val, train, data = prepared_text(prepared_dir, tok, cfg.pretrained_eval_tokens, cfg.pretrained_calib_tokens + recovery.tokens)
     calib, rec = split_train(train, cfg.pretrained_calib_tokens, recovery, f"{prepared_dir / 'train'} ({name})")
     base_row = {"model": PRETRAINED[name], "variant": "pretrained", "run": None}
     save = _saver(cfg.save, tok, save_dir, final_dir, workdir, {"source": name, "variant": "pretrained"})
     return prune_rows(model, settings=cfg.methods(pretrained=True), recovery=recovery, calib=calib, train=rec,
                       val=val, seq_len=cfg.pretrained_seq_len, batch_size=cfg.pretrained_batch_size,
                       eval_tokens=cfg.pretrained_eval_tokens, base_row=base_row,
-                      log=_logger(parent, PRETRAINED[name], workdir),
+                      log=_logger(parent, PRETRAINED[name], workdir, data),
                       texts=lambda w: tok.decode_batch(w.tolist()), save=save)
 
 
@@ -165,8 +169,9 @@ def prune_flow(
         if not cfg.models and cfg.largest_only:
             models = largest_per_variant(models)
         kept = saved_ladder_models(models, cfg.save.ladder)
+        data = model_datasets(ctx, models)
         jobs = [dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m)),
-                                    "tokenizer_path": str(ctx.layout.tokenizer)},
+                                    "tokenizer_path": str(ctx.layout.tokenizer), "data": data[m["variant"]]},
                      cfg=cfg, parent=run.ref(), workdir=str(ctx.workdir),
                      save_dir=str(out / m["variant"] / m["run"]) if f"{m['variant']}/{m['run']}" in kept else None,
                      final_dir=str(ctx.layout.pruned / m["variant"] / m["run"]))

@@ -223,7 +223,7 @@ def test_mlflow_records_lineage_models_and_registry(ci_run):
     if (ROOT / ".git").exists():
         assert all(r.data.tags.get("mlflow.source.git.commit") and r.data.tags[GIT_DIRTY] in ("true", "false")
                    for r in runs)
-    per_model = [r for r in runs if r.data.tags["scalelab.stage"] in ("train", "compress", "sparse_eval", "evaluate")
+    per_model = [r for r in runs if r.data.tags["scalelab.stage"] in ("train", "compress", "prune", "sparse_eval", "evaluate")
                  and "variant" in r.data.params and r.data.tags.get("mlflow.runName", "").count(":") >= 2]
     assert per_model
     for r in per_model:

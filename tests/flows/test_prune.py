@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from flows.prune import _logger, _saver, pruned_model_key
-from tasks.common.lineage import _process_tracking_uri, find_models
+from tasks.common.lineage import _process_tracking_uri, data_ref, find_models
 from tasks.common.tracking import tracked_run
 from tasks.compression.pruning import PruningConfig, RecoveryConfig, SaveConfig, prune_rows
 
@@ -46,13 +46,18 @@ def test_kept_pruned_models_are_logged_by_reference_and_load_through_pyfunc(tmp_
     workdir = tmp_path / "work"
     folder = workdir / "models" / "pruned" / "raw" / "d32"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (workdir / "data").mkdir(parents=True)
+    for name, tokens in (("train", train), ("val", val)):
+        np.save(workdir / "data" / f"{name}.npy", tokens)
+    data = ((data_ref(workdir, workdir / "data" / "train.npy", "raw"), "training"),
+            (data_ref(workdir, workdir / "data" / "val.npy", "val"), "evaluation"))
     with tracked_run("prune", uri=uri, experiment="t") as parent:
         save = _saver(SaveConfig(rows=("*+csd+random",)), tok, str(folder), str(folder), str(workdir),
                       {"variant": "raw", "run": "d32"})
         rows, _ = prune_rows(model, settings=cfg.methods(), recovery=cfg.recovery, calib=calib, train=train, val=val,
                              seq_len=32, batch_size=4, eval_tokens=512,
                              base_row={"model": "d32", "variant": "raw", "run": "d32"},
-                             log=_logger(parent.ref(), "d32", workdir), save=save)
+                             log=_logger(parent.ref(), "d32", workdir, data), save=save)
     kept = [r for r in rows if r.get("model_path")]
     assert [(r["setting"], r["recovery_loss"]) for r in kept] == [("c", "csd")]  # "c" itself is not in save.rows
     row = kept[0]
@@ -67,6 +72,12 @@ def test_kept_pruned_models_are_logged_by_reference_and_load_through_pyfunc(tmp_
                        "removed_fraction": row["removed_fraction"]}
     run = client.get_run(logged.source_run_id)
     assert run.info.run_name == "prune:d32:c+csd+random" and run.data.params["model_path"] == row["model_path"]
+    # every row's run names the text it was trained, calibrated, recovered and scored on
+    exp_id = client.get_experiment_by_name("t").experiment_id
+    for r in client.search_runs([exp_id], "tags.`scalelab.stage` = 'prune'"):
+        inputs = {(d.dataset.name, {t.key: t.value for t in d.tags}["mlflow.data.context"])
+                  for d in r.inputs.dataset_inputs}
+        assert inputs == {("raw", "training"), ("val", "evaluation")}, r.info.run_name
     assert logged.tags["scalelab.model_dir"] == str((workdir / row["model_path"]).resolve())
     # by reference: the store holds a few kB, not the weights
     store = Path(logged.artifact_location.removeprefix("file://"))
