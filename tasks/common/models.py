@@ -156,7 +156,15 @@ def _smollm2_cached(folder: Path, gguf_file: str) -> tuple[nn.Module, Any]:
     cache = _smollm2_cache_folder(folder / gguf_file)
     if cache is not None and (cache / "config.json").exists() and (cache / "model.safetensors").exists():
         hf_tok = hf_class("AutoTokenizer").from_pretrained(str(cache))
-        return hf_class("AutoModelForCausalLM").from_pretrained(str(cache)).eval(), hf_tok
+        model, info = hf_class("AutoModelForCausalLM").from_pretrained(str(cache), output_loading_info=True)
+        problems = loading_problems(model, info)
+        if not problems:
+            return model.eval(), hf_tok
+        # Seen once in a demo's prune stage: lm_head reported missing and left at zeros (perplexity =
+        # the vocabulary size) from a folder that loads whole in every other process. Never use such a load.
+        print(f"SmolLM2: the cached weights in {cache} did not load whole ({'; '.join(problems)}); "
+              "dequantizing the GGUF file again")
+        del model
     model, hf_tok = _smollm2_from_gguf(folder, gguf_file)
     if cache is not None:
         try:
@@ -167,6 +175,19 @@ def _smollm2_cached(folder: Path, gguf_file: str) -> tuple[nn.Module, Any]:
             print(f"SmolLM2: could not cache the dequantized weights in {cache} ({exc}); "
                   "set SCALELAB_CACHE_DIR to a writable folder, or to off")
     return model, hf_tok
+
+
+def loading_problems(model: nn.Module, info: dict[str, Any]) -> list[str]:
+    """What a ``from_pretrained(..., output_loading_info=True)`` load left out: missing, unexpected
+    or mismatched keys, and a config that ties the output embedding to the input one where the
+    loaded model does not (its ``lm_head`` would be a fresh tensor, not the checkpoint's)."""
+    out = [f"{kind} {sorted(map(str, keys))}" for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+           if (keys := info.get(kind))]
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and head is not None and embed is not None \
+            and head.weight.data_ptr() != embed.weight.data_ptr():
+        out.append("lm_head not tied to the input embedding although the config ties them")
+    return out
 
 
 def _forget_gguf(model: nn.Module) -> None:

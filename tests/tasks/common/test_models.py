@@ -63,3 +63,22 @@ def test_a_changed_gguf_file_is_dequantized_again_and_off_keeps_nothing(fake_ggu
     models.load_causal_lm("smollm2")
     models.load_causal_lm("smollm2")
     assert len(calls) == 4
+
+
+def test_a_cached_folder_that_does_not_load_whole_is_not_used(fake_gguf, tmp_path: Path, capsys):
+    """A cache whose load leaves a weight out (lm_head at zeros: perplexity = the vocabulary size, seen
+    once in a demo) is dequantized from the GGUF file again, and the next load reads the rewritten cache."""
+    from safetensors.torch import load_file, save_file
+
+    gguf, calls = fake_gguf
+    first, _, _ = models.load_causal_lm("smollm2")
+    (cache,) = (tmp_path / "cache").iterdir()
+    weights = load_file(cache / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, cache / "model.safetensors", metadata={"format": "pt"})
+    second, _, _ = models.load_causal_lm("smollm2")
+    assert len(calls) == 2 and "did not load whole (missing_keys ['lm_head.weight'])" in capsys.readouterr().out
+    assert not torch.equal(second.lm_head.weight, torch.zeros_like(second.lm_head.weight))
+    third, _, _ = models.load_causal_lm("smollm2")
+    assert len(calls) == 2  # the rewritten cache loads whole
+    assert torch.equal(third.lm_head.weight, second.lm_head.weight)
