@@ -131,12 +131,12 @@ def _smollm2_from_gguf(folder: Path, gguf_file: str) -> tuple[nn.Module, Any]:
 
 def _load_smollm2() -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
     from tasks.curation.rewrite import SMOLLM2_GGUF, smollm2_dir
-    from tasks.training.model import transformers_imports
+    from tasks.training.model import transformers_lock
 
     folder = smollm2_dir()
-    # Every import transformers makes while loading happens under hf_class's lock: a ladder task
-    # of the same stage resolving LlamaConfig beside it failed otherwise (tasks.training.model).
-    with transformers_imports():
+    # The whole load under transformers_lock: loads in two threads at once can leave transformers'
+    # init and tie functions patched out for the rest of the process (tasks.training.model).
+    with transformers_lock():
         model, hf_tok = _smollm2_cached(folder, SMOLLM2_GGUF)
     eos = hf_tok.eos_token_id
     tok = TokenizerAdapter(hf_tok, eos_token_id=eos, pad_token_id=hf_tok.pad_token_id if hf_tok.pad_token_id is not None
@@ -225,12 +225,13 @@ def _load_ladder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, A
 
 
 def _load_hf_folder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
-    from tasks.training.model import hf_class
+    from tasks.training.model import hf_class, transformers_lock
 
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise FileNotFoundError(f"{folder}: model folder has no tokenizer (tokenizer.json or tokenizer_config.json)")
-    hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder))
-    model = hf_class("AutoModelForCausalLM").from_pretrained(str(folder)).eval()
+    with transformers_lock():  # see tasks.training.model.transformers_lock
+        hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder))
+        model = hf_class("AutoModelForCausalLM").from_pretrained(str(folder)).eval()
     eos = hf_tok.eos_token_id if hf_tok.eos_token_id is not None else 0
     tok = TokenizerAdapter(hf_tok, eos_token_id=eos, name=str(folder))
     ctx = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)

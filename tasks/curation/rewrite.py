@@ -194,9 +194,12 @@ class LocalCausalLM:
         """Load model and tokenizer from a folder (``gguf_file`` picks a GGUF inside it)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from tasks.training.model import transformers_lock
+
         extra = {"gguf_file": gguf_file} if gguf_file else {}
-        tokenizer = AutoTokenizer.from_pretrained(str(path), **extra)
-        model = AutoModelForCausalLM.from_pretrained(str(path), **extra)
+        with transformers_lock():  # no other load or model construction in the process meanwhile
+            tokenizer = AutoTokenizer.from_pretrained(str(path), **extra)
+            model = AutoModelForCausalLM.from_pretrained(str(path), **extra)
         return cls(model, tokenizer, **kwargs)
 
     def generate(self, conversations: Sequence[Messages]) -> list[str]:

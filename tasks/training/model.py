@@ -49,11 +49,19 @@ def hf_class(name: str) -> Any:
 
 
 @contextlib.contextmanager
-def transformers_imports() -> Iterator[None]:
-    """Hold :func:`hf_class`'s lock around a call that makes `transformers` import its own modules
-    lazily (``from_pretrained`` of SmolLM2's GGUF): a ladder task resolving ``LlamaConfig`` beside
-    it failed with "module 'transformers' has no attribute 'LlamaConfig'" (the compress and evaluate
-    stages with SmolLM2 in their task pool). Re-entrant, so ``hf_class`` may be called inside."""
+def transformers_lock() -> Iterator[None]:
+    """Hold :func:`hf_class`'s lock around every ``from_pretrained`` and every model construction.
+
+    For the length of a ``from_pretrained`` call, ``transformers`` swaps ``PreTrainedModel.tie_weights``,
+    ``PreTrainedModel.init_weights`` and the ``torch.nn.init`` functions for no-ops, process-wide
+    (``transformers.initialization.no_init_weights`` / ``no_tie_weights``) and puts back what it saved.
+    Two loads in two threads of a stage's task pool can save each other's no-ops and leave them in
+    place for the rest of the process: in a demo's prune stage two PASER threads loaded MiniLM at
+    once, and SmolLM2 loaded afterwards had an untied ``lm_head`` of zeros (every perplexity equal
+    to the vocabulary size). A model built in one thread while another loads would get no
+    initialisation either. It also keeps `transformers`' lazy imports serial (a ladder task
+    resolving ``LlamaConfig`` beside a load failed with "module 'transformers' has no attribute
+    'LlamaConfig'"). Re-entrant, so ``hf_class`` may be called inside."""
     with _HF_IMPORT:
         yield
 
@@ -63,7 +71,7 @@ def resolve_llama_classes() -> None:
 
     A stage whose task pool runs SmolLM2 beside ladder models calls it before starting the pool, so
     that no ladder task imports them while SmolLM2's task is inside `transformers` (its forward
-    passes import modules lazily too, outside :func:`transformers_imports`)."""
+    passes import modules lazily too, outside :func:`transformers_lock`)."""
     for name in ("LlamaConfig", "LlamaForCausalLM"):
         hf_class(name)
 
@@ -130,7 +138,7 @@ def build_model(shape: ModelShape, vocab_size: int, seq_len: int, arch: Arch = "
     torch.Size([1, 8, 512])
     """
     config = hf_config(shape, vocab_size, seq_len, arch)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), transformers_lock():
         torch.manual_seed(seed)
         if arch == "llama":
             LlamaForCausalLM = hf_class("LlamaForCausalLM")

