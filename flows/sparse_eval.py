@@ -99,7 +99,8 @@ def sparse_eval_pretrained(name: str, cfg: SparseEvalConfig, prepared: str, pare
     base_row = {"variant": "pretrained", "run": None, "n_params": meta.get("n_params"), "tokens": None}
     return run_points(model=model, model_name=PRETRAINED[name], base_row=base_row, settings=cfg.pretrained_methods(),
                       val=val, calib=calib, seq_len=cfg.pretrained_seq_len, batch_size=cfg.pretrained_batch_size,
-                      eval_tokens=cfg.pretrained_eval_tokens, parent=parent, speed=cfg.speed, items=items, data=data)
+                      # prepared_text gave eval_tokens + 1 tokens: eval_tokens predictions, whole windows of them
+                      eval_tokens=len(val), parent=parent, speed=cfg.speed, items=items, data=data)
 
 
 @flow(name="sparse_eval", log_prints=True)

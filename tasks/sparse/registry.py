@@ -185,8 +185,8 @@ class SparseEvalConfig:
 
     ``pretrained``: pretrained models also evaluated (``smollm2``: SmolLM2-135M), on the prepared
     validation text in their own tokenizer, with ``pretrained_settings`` (empty = the enabled ones),
-    ``pretrained_eval_tokens``, ``pretrained_seq_len``, ``pretrained_batch_size`` and
-    ``pretrained_num_threads``; ``retrieval``: the needle set (:class:`tasks.sparse.retrieval.
+    ``pretrained_eval_tokens`` (predictions scored, in whole windows of ``pretrained_seq_len``),
+    ``pretrained_seq_len``, ``pretrained_batch_size`` and ``pretrained_num_threads``; ``retrieval``: the needle set (:class:`tasks.sparse.retrieval.
     RetrievalConfig` fields) each of their points is also scored on, ``{}`` = none.
     """
 
@@ -224,6 +224,9 @@ class SparseEvalConfig:
         require(not missing, "pretrained_settings", f"names settings that are not defined: {missing}")
         for name in ("pretrained_eval_tokens", "pretrained_seq_len"):
             require(getattr(self, name) >= 2, name, f"must be >= 2, got {getattr(self, name)}")
+        require(self.pretrained_eval_tokens >= self.pretrained_seq_len, "pretrained_eval_tokens",
+                f"scores whole windows of pretrained_seq_len={self.pretrained_seq_len} predictions; "
+                f"{self.pretrained_eval_tokens} is less than one")
         require(self.speed in ("all", "attention", "none"), "speed",
                 f"expected one of all, attention, none, got {self.speed!r}")
         require(self.pretrained_batch_size >= 1, "pretrained_batch_size", f"must be >= 1, got {self.pretrained_batch_size}")

@@ -29,3 +29,34 @@ def ci_run(prefect_harness, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ci-pipeline")
     result = pipeline_flow(root=str(root), preset="ci", workdir=str(workdir))
     return workdir, result
+
+
+@pytest.fixture
+def smollm2_stand_in(tmp_path, monkeypatch):
+    """A tiny Llama standing in for SmolLM2 (``load_causal_lm("smollm2")`` returns it) and a prepared
+    corpus of word salad (``data/prepared/train/part-0.parquet``, ``val.parquet``): the folder."""
+    import random
+
+    import polars as pl
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.common import models
+    from tasks.evaluation.downstream import TokenizerAdapter
+    from tasks.training.tokenizer import eos_id, train_tokenizer
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(50)]
+    docs = [" ".join(rng.choice(words) for _ in range(60)) for _ in range(160)]
+    prepared = tmp_path / "data" / "prepared"
+    (prepared / "train").mkdir(parents=True)
+    pl.DataFrame({"text": docs[:120]}).write_parquet(prepared / "train" / "part-0.parquet")
+    pl.DataFrame({"text": docs[120:]}).write_parquet(prepared / "val.parquet")
+    tok = train_tokenizer(docs, 300)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                                         initializer_range=0.1)).eval()
+    monkeypatch.setattr(models, "load_causal_lm", lambda name: (model, TokenizerAdapter(tok, eos_token_id=eos_id(tok)),
+                                                                {"n_params": 1}))
+    return prepared

@@ -65,35 +65,13 @@ def test_run_settings_scores_every_precision_and_refuses_calibrating_on_eval(tmp
     assert by["bcq@w2"]["bytes_on_disk"] == by["bcq@w4"]["bytes_on_disk"]  # one artifact
 
 
-def test_a_pretrained_model_runs_as_one_job_on_the_prepared_text(tmp_path, monkeypatch):
+def test_a_pretrained_model_runs_as_one_job_on_the_prepared_text(tmp_path, smollm2_stand_in):
     """The stage's ``pretrained`` job (SmolLM2 in the demo) with a tiny Llama standing in for SmolLM2:
     calibrated on the prepared training text, scored on the validation text, one row per served width."""
-    import random
-
-    import polars as pl
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from flows.compress import compress_job
-    from tasks.common import models
     from tasks.compression.registry import CompressionConfig
-    from tasks.evaluation.downstream import TokenizerAdapter
-    from tasks.training.tokenizer import eos_id, train_tokenizer
 
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(50)]
-    docs = [" ".join(rng.choice(words) for _ in range(60)) for _ in range(160)]
-    prepared = tmp_path / "data" / "prepared"
-    (prepared / "train").mkdir(parents=True)
-    pl.DataFrame({"text": docs[:120]}).write_parquet(prepared / "train" / "part-0.parquet")
-    pl.DataFrame({"text": docs[120:]}).write_parquet(prepared / "val.parquet")
-    tok = train_tokenizer(docs, 300)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                                         initializer_range=0.1)).eval()
-    monkeypatch.setattr(models, "load_causal_lm", lambda name: (model, TokenizerAdapter(tok, eos_token_id=eos_id(tok)),
-                                                                {"n_params": 1}))
+    prepared = smollm2_stand_in
     cfg = CompressionConfig(settings={"rtn_w3": {"method": "rtn", "bits": 3, "group_size": 32},
                                       "bcq": {"method": "anybcq", "max_bits": 3, "group_size": 32, "seq_len": 32},
                                       "ladder_only": {"method": "rtn", "bits": 8, "group_size": 32}},

