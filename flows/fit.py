@@ -14,6 +14,7 @@ from prefect import flow
 from flows.artifacts import law_table, publish_table
 from flows.stage import stage_context, stage_run
 from tasks.common.lineage import data_ref, log_datasets
+from tasks.common.summary import PRETRAINED
 from tasks.scaling.config import FitConfig
 from tasks.scaling.report import exclude_runs, fit_points, write_fit_report
 
@@ -62,6 +63,7 @@ def gather_points(reports: Path, cfg: FitConfig = FitConfig()) -> GatheredPoints
     epochs, divergence and compute budget (their own n_params / tokens where no run matches).
     A ``series`` column says where each row came from (``trained``, ``compress``, ``sparse_eval``):
     the derived ones are fitted with ``fit.derived_n_bootstrap`` replicates.
+    Rows of pretrained models (variant ``pretrained``: SmolLM2) have no training budget and are left out.
     Runs that diverged, ran over ``cfg.max_epochs`` epochs or have no loss are left out and
     listed with their reason (:func:`tasks.scaling.report.exclude_runs`).
     """
@@ -74,7 +76,8 @@ def gather_points(reports: Path, cfg: FitConfig = FitConfig()) -> GatheredPoints
         path = reports / f"{name}.csv"
         if not (path.exists() and path.stat().st_size > 0):
             continue
-        c = pl.read_csv(path)
+        # a pretrained model's rows (SmolLM2, variant "pretrained") are no point of a ladder's law
+        c = pl.read_csv(path).filter(pl.col("variant").cast(pl.String) != PRETRAINED)
         if not c.height:
             continue
         own = c.select(pl.col("variant").cast(pl.String), pl.col("setting").cast(pl.String),

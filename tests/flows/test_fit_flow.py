@@ -79,3 +79,19 @@ def test_compressed_and_sparse_laws_use_derived_n_bootstrap(tmp_path: Path):
     laws = fit_points(g.points, cfg)["variants"]
     assert laws["raw"]["bootstrap"]["n_requested"] == 6
     assert laws["raw+rtn_w4"]["bootstrap"]["n_requested"] == 3
+
+
+def test_pretrained_models_rows_are_no_points_of_a_law(tmp_path: Path):
+    """SmolLM2's rows in compress.csv and sparse_eval.csv (variant ``pretrained``, no run, no tokens)
+    are left out; before, the fit stage refused the whole table ("D is empty")."""
+    _train(tmp_path)
+    pretrained = {"variant": ["pretrained"], "run": [None], "model": ["smollm2-135m"], "n_params": [1.3e8],
+                  "tokens": [None], "val_loss": [3.7]}
+    pl.DataFrame({**pretrained, "setting": ["rtn_w3_g128"]}).write_csv(tmp_path / "sparse_eval.csv")
+    with_smollm2 = pl.concat([pl.read_csv(tmp_path / "compress.csv"), pl.DataFrame({**pretrained, "setting": ["rtn_w3"]})],
+                             how="diagonal_relaxed")
+    with_smollm2.write_csv(tmp_path / "compress.csv")
+    g = gather_points(tmp_path, FitConfig())
+    assert not g.points.filter(pl.col("variant").str.starts_with("pretrained")).height
+    assert g.points.filter(pl.col("series") == "compress")["variant"].to_list() == ["raw+rtn_w4"]  # r1 diverged
+    assert g.points["D"].is_not_null().all()
