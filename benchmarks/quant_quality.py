@@ -85,7 +85,7 @@ def ladder_text(model_dir: Path, eval_tokens: int, calib_tokens: int):
     from tasks.training.tokenizer import load_tokens
 
     model, meta = load_model(model_dir)
-    workdir = model_dir.parents[2]
+    workdir = model_dir.parents[3]  # WORKDIR/models/trained/<variant>/<run>
     variant = model_dir.parent.name
     val = load_tokens(workdir / "data" / "tokens" / "val.npy")
     train = load_tokens(workdir / "data" / "tokens" / f"{variant}.npy")
