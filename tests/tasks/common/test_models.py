@@ -82,3 +82,33 @@ def test_a_cached_folder_that_does_not_load_whole_is_not_used(fake_gguf, tmp_pat
     third, _, _ = models.load_causal_lm("smollm2")
     assert len(calls) == 2  # the rewritten cache loads whole
     assert torch.equal(third.lm_head.weight, second.lm_head.weight)
+
+
+def test_the_gguf_hash_is_computed_once_per_process_until_the_file_changes(tmp_path: Path, monkeypatch):
+    import hashlib
+    import os
+
+    monkeypatch.setenv("SCALELAB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "_FILE_SHA256", {})
+    hashed = []
+    real_sha256 = hashlib.sha256
+
+    def counting_sha256(*args):
+        hashed.append(args)
+        return real_sha256(*args)
+
+    monkeypatch.setattr(hashlib, "sha256", counting_sha256)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF stand-in")
+
+    def file_hashes():  # sha256() with no data is the file's hash; with data, the folder name's
+        return sum(1 for args in hashed if not args)
+
+    first = models._smollm2_cache_folder(gguf)
+    assert file_hashes() == 1
+    assert models._smollm2_cache_folder(gguf) == first and file_hashes() == 1  # memoised
+    st = gguf.stat()
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # touched: same content
+    assert models._smollm2_cache_folder(gguf) == first and file_hashes() == 2
+    gguf.write_bytes(b"GGUF stand-in, another release")  # another size and content
+    assert models._smollm2_cache_folder(gguf) != first and file_hashes() == 3
