@@ -18,7 +18,6 @@ negative side only) and stores no zeros, saving 16 bits per group.
 from __future__ import annotations
 
 import copy
-import fnmatch
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,6 +27,7 @@ from torch import nn
 
 from kernels.group_quant import dequantize, pack_codes, packed_cols, quantize, unpack_codes
 from tasks.common.config import require, to_dict
+from tasks.common.patterns import matches_any
 from kernels.group_quant.reference import FP16_MIN_NORMAL, n_groups
 from tasks.compression.registry import (
     CompressedModel,
@@ -80,7 +80,7 @@ def quantized_linears(model: nn.Module, skip: tuple[str, ...]) -> list[tuple[str
     return [
         (name, mod)
         for name, mod in model.named_modules()
-        if isinstance(mod, nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in skip)
+        if isinstance(mod, nn.Linear) and not matches_any(name, skip)
     ]
 
 

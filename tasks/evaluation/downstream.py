@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from tasks.common.config import require
+from tasks.common.patterns import matches_any
 from tasks.evaluation.microbench import MicrobenchStageConfig
 from tasks.evaluation.task_laws import TaskLawConfig
 
@@ -824,9 +825,7 @@ class SmolLM2EvalConfig:
 
     def scores_artifact(self, setting: str) -> bool:
         """Whether the compress stage's SmolLM2 row ``setting`` is scored (``artifacts``)."""
-        import fnmatch
-
-        return any(fnmatch.fnmatchcase(setting, pattern) for pattern in self.artifacts)
+        return matches_any(setting, self.artifacts)
 
     def __post_init__(self) -> None:
         require(self.limit >= 1, "limit", f"must be >= 1, got {self.limit}")

@@ -26,7 +26,6 @@ given (:mod:`tasks.sparse.wina`); TEAL is ``c = 1``.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import hashlib
 import math
 import weakref
@@ -38,6 +37,7 @@ import torch
 from torch import nn
 
 from tasks.common.config import require
+from tasks.common.patterns import matches_any
 from tasks.sparse.registry import ActivationSparsity, SparseMethodSpec, register_sparsifier
 
 
@@ -119,7 +119,7 @@ def teal_sites(model: nn.Module, targets: tuple[str, ...]) -> dict[str, nn.Linea
     sites = {
         name: mod
         for name, mod in model.named_modules()
-        if isinstance(mod, nn.Linear) and any(fnmatch.fnmatchcase(name, p) for p in targets)
+        if isinstance(mod, nn.Linear) and matches_any(name, targets)
     }
     if not sites:
         raise ValueError(f"targets {list(targets)} match no nn.Linear of {type(model).__name__}")

@@ -31,7 +31,6 @@ first 1% of positions; here every position is treated alike, as in the paper's e
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import weakref
 from dataclasses import dataclass
 from typing import Literal
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tasks.common.patterns import matches_any
 from tasks.sparse.registry import ActivationSparsity, register_sparsifier
 from tasks.sparse.rotation import OrthogonalRotation
 from tasks.sparse.teal import MagnitudeConfig, magnitude_sparsity, teal_sites
@@ -71,7 +71,7 @@ def column_norms(linear: nn.Linear) -> torch.Tensor:
 def wina_scales(sites: dict[str, nn.Linear], norms: str) -> dict[str, torch.Tensor | None]:
     """Per-site channel scales: the column norms where ``norms`` uses them, else ``None`` (|x| alone)."""
     return {
-        name: column_norms(mod) if norms == "all" or any(fnmatch.fnmatchcase(name, p) for p in CODE_NORM_SITES) else None
+        name: column_norms(mod) if norms == "all" or matches_any(name, CODE_NORM_SITES) else None
         for name, mod in sites.items()
     }
 
