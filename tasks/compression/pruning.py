@@ -20,7 +20,6 @@ computed once and shared by every run (:class:`CachedTeacher`), so losses differ
 from __future__ import annotations
 
 import copy
-import fnmatch
 import math
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from tasks.common.config import require, to_dict
+from tasks.common.patterns import matches_any
 from tasks.compression.distill import LOSSES, DistillConfig, recover, token_windows
 from tasks.compression.paser import PaserConfig, paser_select, random_select, sample_degradation
 from tasks.compression.registry import PRUNERS, MethodSpec
@@ -129,7 +129,7 @@ class SaveConfig:
 
     def keeps(self, row_name: str) -> bool:
         """Whether the row named ``row_name`` (``entrodrop_l1`` or ``entrodrop_l1+csd+random``) is kept."""
-        return any(fnmatch.fnmatchcase(row_name, pattern) for pattern in self.rows)
+        return matches_any(row_name, self.rows)
 
 
 @dataclass(frozen=True, kw_only=True)
