@@ -282,6 +282,27 @@ class InheritedModel:
                 "params_removed": self.params_removed, "budget": self.budget, "rank_ratio": self.rank_ratio}
 
 
+def thin_svd(w: torch.Tensor, max_condition: float = 1e6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(U, S, Vh)`` of ``w`` (m, n) in float64, singular values descending, as
+    ``torch.linalg.svd(w, full_matrices=False)`` gives them, about twice as fast on CPU.
+
+    The eigendecomposition of the smaller Gram matrix (``w wᵀ`` or ``wᵀ w``) gives ``U`` and ``Σ²``,
+    and ``Vh = Σ⁻¹ Uᵀ w``. Squaring the matrix squares its condition number, so directions with
+    ``σ_j < σ_max / max_condition`` would come out inaccurate: a matrix that has any falls back to
+    the direct SVD (float64's 1e-16 on ``σ²`` leaves ``σ_j`` a relative error below 1e-4 at 1e6).
+    """
+    w = w.detach().double()
+    if w.shape[0] > w.shape[1]:
+        u, s, vh = thin_svd(w.T, max_condition)
+        return vh.T, s, u.T
+    evals, evecs = torch.linalg.eigh(w @ w.T)
+    s = evals.flip(0).clamp_min(0.0).sqrt()
+    if s.numel() == 0 or s[-1] * max_condition < s[0] or not bool(torch.isfinite(s).all()):
+        return torch.linalg.svd(w, full_matrices=False)
+    u = evecs.flip(1)
+    return u, s, (u.T @ w) / s[:, None]
+
+
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
@@ -297,7 +318,7 @@ def inherit_linear(linear: nn.Linear, rank: int, heads: int, sigma: str = "up", 
     ``U_r √Σ_r`` with ``sigma="sqrt"``), so the output equals ``W_r x + b`` for any gate.
     """
     w = linear.weight.detach()
-    u, s, vh = svd if svd is not None else torch.linalg.svd(w.double(), full_matrices=False)
+    u, s, vh = svd if svd is not None else thin_svd(w)
     r = min(rank, s.numel())
     if sigma == "up":
         b, a = u[:, :r] * s[:r], vh[:r]
@@ -332,7 +353,7 @@ def inhernet(teacher: nn.Module, cfg: InherNetConfig, *, calib_tokens: np.ndarra
     before = n_params(teacher)
     mats, svds = [], {}
     for name, lin in linears.items():
-        u, s, vh = torch.linalg.svd(lin.weight.detach().double(), full_matrices=False)
+        u, s, vh = thin_svd(lin.weight)
         svds[name] = (u, s, vh)
         mats.append(_Matrix(name, lin.out_features, lin.in_features, lin.bias is not None, s))
     fixed = before - sum(x.dense() for x in mats)

@@ -21,6 +21,7 @@ from tasks.compression.inhernet import (
     inhernet,
     load_inhernet,
     save_inhernet,
+    thin_svd,
     to_dense,
 )
 from tasks.evaluation.loss import evaluate_loss
@@ -207,3 +208,27 @@ def test_bad_config_values_name_the_field(kwargs, field):
 def test_unknown_module_names_name_modules(teacher):
     with pytest.raises(ValueError, match=r"^modules: no decoder-layer nn.Linear is named any of \['qproj'\]"):
         inhernet(teacher, InherNetConfig(modules=("qproj",)))
+
+
+@pytest.mark.parametrize("shape", [(30, 70), (70, 30), (48, 48)], ids=["wide", "tall", "square"])
+def test_thin_svd_is_the_svd(shape):
+    """The Gram-matrix route gives the direct SVD's singular values, orthonormal factors and the
+    matrix back; an ill-conditioned matrix falls back to the direct SVD, whose small directions stay exact."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(shape, generator=g, dtype=torch.float64) * torch.logspace(0, -2, shape[1], dtype=torch.float64)
+    u, s, vh = thin_svd(w)
+    ref = torch.linalg.svd(w, full_matrices=False)
+    r = min(shape)
+    assert u.shape == (shape[0], r) and s.shape == (r,) and vh.shape == (r, shape[1])
+    torch.testing.assert_close(s, ref.S, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close((u * s) @ vh, w, rtol=0, atol=1e-10)
+    torch.testing.assert_close(u.T @ u, torch.eye(r, dtype=torch.float64), rtol=0, atol=1e-9)
+    torch.testing.assert_close(vh @ vh.T, torch.eye(r, dtype=torch.float64), rtol=0, atol=1e-8)
+    k = r // 2  # the rank-k truncation (what inhernet keeps) agrees with the direct SVD's
+    torch.testing.assert_close((u[:, :k] * s[:k]) @ vh[:k], (ref.U[:, :k] * ref.S[:k]) @ ref.Vh[:k], rtol=0, atol=1e-10)
+    # condition 1e9: the squared Gram would lose the small directions; the direct SVD keeps them
+    q1, _ = torch.linalg.qr(torch.randn(shape[0], r, generator=g, dtype=torch.float64))
+    q2, _ = torch.linalg.qr(torch.randn(shape[1], r, generator=g, dtype=torch.float64))
+    sig = torch.logspace(0, -9, r, dtype=torch.float64)
+    u, s, vh = thin_svd((q1 * sig) @ q2.T)
+    torch.testing.assert_close(s, sig, rtol=1e-5, atol=0)
