@@ -47,6 +47,7 @@ def main() -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--schedule", choices=("steps", "epochs"), help="fine-tuning schedule (default: the preset's)")
+    ap.add_argument("--lr", type=float, help="fine-tuning learning rate (default: the preset's)")
     ap.add_argument("--cache", type=Path, help="olmo_eval: an .npz of correctness rows, read when it was written "
                     "under the same questions and models and (re)written after the run, so the methods can be "
                     "measured over several runs without scoring the pool again")
@@ -59,16 +60,14 @@ def main() -> int:
                  else cfg.k_fractions if olmo else (0.01,))
     cfg = dataclasses.replace(cfg, settings=(args.setting,), k_fractions=fractions, methods=methods,
                               num_threads=args.threads)
+    overrides = {k: v for k, v in (("schedule", args.schedule), ("lr", args.lr)) if v is not None}
     st = cfg.olmo_eval
     if olmo:
-        st = dataclasses.replace(st, repeats=args.repeats or st.repeats)
-        if args.schedule:
-            st = dataclasses.replace(st, finetune=dataclasses.replace(st.finetune, schedule=args.schedule))
+        st = dataclasses.replace(st, repeats=args.repeats or st.repeats,
+                                 finetune=dataclasses.replace(st.finetune, **overrides))
         cfg = dataclasses.replace(cfg, olmo_eval=st)
     else:
-        cfg = dataclasses.replace(cfg, repeats=args.repeats or 3)
-        if args.schedule:
-            cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, schedule=args.schedule))
+        cfg = dataclasses.replace(cfg, repeats=args.repeats or 3, finetune=dataclasses.replace(cfg.finetune, **overrides))
     start = time.perf_counter()
     log = lambda s: print(f"[{time.perf_counter() - start:6.1f} s] {s}", flush=True)  # noqa: E731
     if olmo:
