@@ -40,25 +40,31 @@ import yaml
 # ---------------------------------------------------------------------------------------------
 # Content and DVC hashes
 
-_MD5_CACHE: dict[tuple[str, int, int], str] = {}
-_MD5_LOCK = threading.Lock()
+_DIGESTS: dict[tuple[str, str, int, int], str] = {}
+_DIGESTS_LOCK = threading.Lock()
+
+
+def file_digest(path: str | Path, algorithm: str = "md5") -> str:
+    """The hex ``hashlib`` digest of a file's bytes, computed once per process while the file's
+    (resolved path, size, mtime) stay the same: stages hash the same outputs and models many times."""
+    path = Path(path)
+    st = path.stat()
+    key = (algorithm, str(path.resolve()), st.st_size, st.st_mtime_ns)
+    with _DIGESTS_LOCK:
+        if key in _DIGESTS:
+            return _DIGESTS[key]
+    h = hashlib.new(algorithm)
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    with _DIGESTS_LOCK:
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
 
 
 def file_md5(path: str | Path) -> str:
     """The md5 of a file's bytes (DVC 3's hash of a file output), cached by (path, size, mtime)."""
-    path = Path(path)
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    with _MD5_LOCK:
-        if key in _MD5_CACHE:
-            return _MD5_CACHE[key]
-    h = hashlib.md5()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    with _MD5_LOCK:
-        _MD5_CACHE[key] = h.hexdigest()
-    return _MD5_CACHE[key]
+    return file_digest(path, "md5")
 
 
 def folder_md5(path: str | Path) -> str:

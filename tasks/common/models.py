@@ -23,7 +23,6 @@ Nothing is downloaded: the tokenizer and weights must be on disk.
 from __future__ import annotations
 
 import importlib.util
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -98,41 +97,20 @@ def smollm2_cache_dir() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scalelab"
 
 
-# sha256 of a file's content by (resolved path, size, mtime_ns): stages load SmolLM2 several times per
-# process (and from thread pools), and each hash read the whole ~100 MB GGUF file again.
-_FILE_SHA256: dict[tuple[str, int, int], str] = {}
-_FILE_SHA256_LOCK = threading.Lock()
-
-
-def _file_sha256(path: Path) -> str:
-    """Hex sha256 of the file's content, hashed once per process while its size and mtime stay the same."""
-    import hashlib
-
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    with _FILE_SHA256_LOCK:
-        if key in _FILE_SHA256:
-            return _FILE_SHA256[key]
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                digest.update(block)
-        _FILE_SHA256[key] = digest.hexdigest()
-        return _FILE_SHA256[key]
-
-
 def _smollm2_cache_folder(gguf: Path) -> Path | None:
     """The cache folder of this GGUF file as this transformers version dequantizes it (None: no cache)."""
     import hashlib
 
     import transformers
 
+    from tasks.common.lineage import file_digest
+
     root = smollm2_cache_dir()
     if root is None:
         return None
     # The file's content, not its path: every virtual environment holding the same wheel shares one
-    # folder (~0.2 s to hash the file, against ~20 s to dequantize it).
-    key = f"{_file_sha256(gguf)}|transformers {transformers.__version__}"
+    # folder (~0.2 s to hash the file once per process, against ~20 s to dequantize it).
+    key = f"{file_digest(gguf, 'sha256')}|transformers {transformers.__version__}"
     return root / f"smollm2-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 

@@ -89,20 +89,22 @@ def test_the_gguf_hash_is_computed_once_per_process_until_the_file_changes(tmp_p
     import os
 
     monkeypatch.setenv("SCALELAB_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(models, "_FILE_SHA256", {})
+    from tasks.common import lineage
+
+    monkeypatch.setattr(lineage, "_DIGESTS", {})
     hashed = []
-    real_sha256 = hashlib.sha256
+    real_new = hashlib.new
 
-    def counting_sha256(*args):
-        hashed.append(args)
-        return real_sha256(*args)
+    def counting_new(name, *args, **kwargs):
+        hashed.append(name)
+        return real_new(name, *args, **kwargs)
 
-    monkeypatch.setattr(hashlib, "sha256", counting_sha256)
+    monkeypatch.setattr(hashlib, "new", counting_new)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF stand-in")
 
-    def file_hashes():  # sha256() with no data is the file's hash; with data, the folder name's
-        return sum(1 for args in hashed if not args)
+    def file_hashes():  # the file is hashed through hashlib.new; the folder name through hashlib.sha256
+        return hashed.count("sha256")
 
     first = models._smollm2_cache_folder(gguf)
     assert file_hashes() == 1
