@@ -58,7 +58,9 @@ class RecoveryConfig:
     into ``seq_len`` windows): ``random`` or ``paser`` (:mod:`tasks.compression.paser`, configured
     by ``paser``), each taking ``budget`` of the candidate windows. The first entry runs with every
     loss; the others with the first loss only, which is what comparing selectors at equal loss
-    needs. A second selector needs ``budget < 1`` (at 1 every selector takes every window).
+    needs, on the settings ``select_settings`` names (empty = every setting; a PASER selection on
+    SmolLM2 costs ~20 s a setting). A second selector needs ``budget < 1`` (at 1 every selector
+    takes every window).
 
     ``curve_every``: the recovery curve's validation perplexity is taken before the first step,
     after every ``curve_every``-th step and after the last; 0 = only those two ends, which the rows
@@ -66,6 +68,7 @@ class RecoveryConfig:
 
     losses: tuple[str, ...] = ("csd", "kl")
     data_select: tuple[str, ...] = ("random",)
+    select_settings: tuple[str, ...] = ()
     budget: float = 1.0
     paser: PaserConfig = field(default_factory=PaserConfig)
     steps: int = 20
@@ -96,9 +99,12 @@ class RecoveryConfig:
         require(self.curve_every >= 0, "curve_every",
                 f"must be >= 0 (0 = the curve's two ends only), got {self.curve_every}")
 
-    def runs(self) -> list[tuple[str, str]]:
-        """``(loss, data_select)`` pairs: the first selector with every loss, the others with the first loss."""
+    def runs(self, setting: str | None = None) -> list[tuple[str, str]]:
+        """``(loss, data_select)`` pairs: the first selector with every loss, the others with the first
+        loss (on ``setting`` only when ``select_settings`` is empty or names it)."""
         first, *others = self.data_select
+        if setting is not None and self.select_settings and setting not in self.select_settings:
+            others = []
         return [(loss, first) for loss in self.losses] + [(self.losses[0], d) for d in others if self.losses]
 
     def distill(self, loss: str) -> DistillConfig:
@@ -174,6 +180,9 @@ class PruningConfig:
         PRUNERS.validate_section(self.settings, self.enabled)
         missing = [n for n in self.pretrained_settings if n not in self.settings]
         require(not missing, "pretrained_settings", f"names settings that are not defined: {missing}")
+        for key, rc in (("recovery", self.recovery), ("pretrained_recovery", self.pretrained_recovery)):
+            missing = [n for n in (rc.select_settings if rc else ()) if n not in self.settings]
+            require(not missing, f"{key}.select_settings", f"names settings that are not defined: {missing}")
         unknown = [p for p in self.pretrained if p not in PRETRAINED_MODELS]
         require(not unknown, "pretrained", f"unknown pretrained model(s) {unknown}; known: {list(PRETRAINED_MODELS)}")
         for key in ("calib_tokens", "pretrained_calib_tokens"):
@@ -308,7 +317,7 @@ def prune_rows(
     windows = token_windows(np.asarray(train), recovery.seq_len)
     k = max(1, round(recovery.budget * len(windows)))
     embeddings = None
-    if "paser" in recovery.data_select:
+    if any(select == "paser" for setting in settings for _, select in recovery.runs(setting)):
         if texts is None:
             raise ValueError("recovery.data_select names paser, which needs the windows' text (texts=)")
         from tasks.curation.ddcf import question_embeddings
@@ -331,8 +340,10 @@ def prune_rows(
         rows.append(row | first | {"model_path": kept})
         if log:
             log(setting, row | {"config": to_dict(cfg), "model_path": kept}, first, [])
-        chosen = {d: select_windows(d, model, pruned, windows, k, recovery, embeddings) for d in recovery.data_select}
-        for loss, select in recovery.runs():
+        runs = recovery.runs(setting)
+        chosen = {d: select_windows(d, model, pruned, windows, k, recovery, embeddings)
+                  for d in dict.fromkeys(select for _, select in runs)}
+        for loss, select in runs:
             t = time.perf_counter()
             student = copy.deepcopy(pruned)
             if not recovery.train_embeddings:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -57,7 +58,7 @@ def test_pretrained_settings_default_to_the_enabled_ones():
     assert list(PruningConfig(settings=SETTINGS, pretrained_settings=("e",)).methods(pretrained=True)) == ["e"]
 
 
-def test_smollm2_runs_the_block_removers_and_gradpruner_in_the_demo_and_not_in_ci():
+def test_smollm2_runs_every_pruning_method_and_paser_in_the_demo_and_none_in_ci():
     from pathlib import Path
 
     from tasks.common.params import load_stage_config
@@ -65,7 +66,12 @@ def test_smollm2_runs_the_block_removers_and_gradpruner_in_the_demo_and_not_in_c
     root = Path(__file__).resolve().parents[3]
     demo, ci, full = (load_stage_config(PruningConfig, root, "pruning", p) for p in ("demo", "ci", "full"))
     assert ci.pretrained == () and demo.pretrained == full.pretrained == ("smollm2",)
-    assert {m for m, _ in demo.methods(pretrained=True).values()} == {"entrodrop", "cosine_drop", "gradpruner"}
+    every = {"entrodrop", "cosine_drop", "gradpruner", "inhernet"}
+    assert {m for m, _ in demo.methods(pretrained=True).values()} == every
+    assert {m for m, _ in demo.methods().values()} == every  # and on the ladder
+    paser_runs = [(s, select) for s in demo.methods(pretrained=True) for _, select in demo.pretrained_recovery.runs(s)
+                  if select == "paser"]
+    assert len(paser_runs) == 1  # one setting compares the selectors on SmolLM2 (~20 s each)
     assert {m for m, _ in full.methods(pretrained=True).values()} >= {"entrodrop", "cosine_drop", "gradpruner", "inhernet"}
 
 
@@ -195,6 +201,11 @@ def test_recovery_runs_and_budget():
     assert rc.runs() == [("csd", "random"), ("kl", "random"), ("csd", "paser")]
     with pytest.raises(ValueError, match="budget.*must be < 1 to compare selectors"):
         RecoveryConfig(data_select=("random", "paser"), budget=1.0)
+    some = RecoveryConfig(losses=("csd", "kl"), data_select=("random", "paser"), budget=0.25, select_settings=("c",))
+    assert some.runs("c") == [("csd", "random"), ("kl", "random"), ("csd", "paser")]
+    assert some.runs("e") == [("csd", "random"), ("kl", "random")]  # the first selector only
+    with pytest.raises(ValueError, match="pretrained_recovery.select_settings.*not defined: \\['x'\\]"):
+        PruningConfig(settings=SETTINGS, pretrained_recovery=dataclasses.replace(some, select_settings=("x",)))
     with pytest.raises(ValueError, match="data_select"):
         RecoveryConfig(data_select=("best",))
 
@@ -215,6 +226,17 @@ def test_prune_rows_with_paser_selects_the_budget(monkeypatch):
     rec = [r for r in rows if r["recovery_loss"] != "none"]
     assert [(r["recovery_loss"], r["data_select"]) for r in rec] == [("csd", "random"), ("csd", "paser")]
     assert all(r["recovery_windows"] == 8 for r in rec)  # 0.25 of 32 windows
+    # select_settings: PASER on one setting only; no embedding at all when none of them selects by PASER
+    only_c = dataclasses.replace(rc, select_settings=("c",))
+    rows, _ = prune_rows(model, settings=PruningConfig(settings=SETTINGS).methods(), recovery=only_c,
+                         calib=tokens(256, 1), train=tokens(512, 3), val=tokens(257, 4), seq_len=32, batch_size=4,
+                         eval_tokens=256, base_row={}, texts=lambda w: [" ".join(map(str, r.tolist())) for r in w])
+    assert [(r["setting"], r["data_select"]) for r in rows if r["recovery_loss"] != "none"] == [
+        ("e", "random"), ("c", "random"), ("c", "paser")]
+    monkeypatch.setattr(ddcf, "question_embeddings", lambda texts: pytest.fail("embedded without a PASER run"))
+    prune_rows(model, settings=PruningConfig(settings=SETTINGS, enabled=("e",)).methods(), recovery=only_c,
+               calib=tokens(256, 1), train=tokens(512, 3), val=tokens(257, 4), seq_len=32, batch_size=4,
+               eval_tokens=256, base_row={}, texts=lambda w: [" ".join(map(str, r.tolist())) for r in w])
 
 
 def test_gradpruner_and_inhernet_rows_through_the_registry():
