@@ -58,7 +58,7 @@ def test_pretrained_settings_default_to_the_enabled_ones():
     assert list(PruningConfig(settings=SETTINGS, pretrained_settings=("e",)).methods(pretrained=True)) == ["e"]
 
 
-def test_smollm2_runs_every_pruning_method_and_paser_in_the_demo_and_none_in_ci():
+def test_the_demo_prunes_the_ladder_by_every_method_and_smollm2_by_the_block_removers_and_gradpruner():
     from pathlib import Path
 
     from tasks.common.params import load_stage_config
@@ -67,12 +67,11 @@ def test_smollm2_runs_every_pruning_method_and_paser_in_the_demo_and_none_in_ci(
     demo, ci, full = (load_stage_config(PruningConfig, root, "pruning", p) for p in ("demo", "ci", "full"))
     assert ci.pretrained == () and demo.pretrained == full.pretrained == ("smollm2",)
     every = {"entrodrop", "cosine_drop", "gradpruner", "inhernet"}
-    assert {m for m, _ in demo.methods(pretrained=True).values()} == every
-    assert {m for m, _ in demo.methods().values()} == every  # and on the ladder
-    paser_runs = [(s, select) for s in demo.methods(pretrained=True) for _, select in demo.pretrained_recovery.runs(s)
-                  if select == "paser"]
-    assert len(paser_runs) == 1  # one setting compares the selectors on SmolLM2 (~20 s each)
-    assert {m for m, _ in full.methods(pretrained=True).values()} >= {"entrodrop", "cosine_drop", "gradpruner", "inhernet"}
+    assert {m for m, _ in demo.methods(pretrained=True).values()} == every - {"inhernet"}  # ~35 s more: full
+    assert {m for m, _ in demo.methods().values()} == every  # every method on the ladder
+    assert {m for m, _ in full.methods(pretrained=True).values()} == every
+    paser = [s for s in full.methods(pretrained=True) for _, select in full.pretrained_recovery.runs(s) if select == "paser"]
+    assert set(paser) == set(full.methods(pretrained=True))  # full compares the selectors on every SmolLM2 setting
 
 
 def test_flops_count_every_linear_and_the_attention_that_is_left():
