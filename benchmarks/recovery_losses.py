@@ -68,12 +68,13 @@ def main() -> int:
     settings = {s: parsed[s] for s in args.settings}
     model, meta = load_model(run["model_dir"])
     val = load_tokens(val_tokens_path(ctx))
+    # the learning rate changes nothing of the windows: one split serves every run
+    calib, train = split_train(load_tokens(tokens_path(ctx, run)), cfg.calib_tokens, cfg.recovery, str(tokens_path(ctx, run)))
     best: dict[tuple[str, str], tuple[float, float]] = {}
     print(f"{run['variant']}/{run['run']}: {', '.join(args.settings)}; losses {args.losses}; lrs {args.lrs}")
     for lr in args.lrs:
         rc = dataclasses.replace(cfg.recovery, lr=lr, losses=tuple(args.losses), data_select=("random",),
                                  select_settings=(), curve_every=0)
-        calib, train = split_train(load_tokens(tokens_path(ctx, run)), cfg.calib_tokens, rc, str(tokens_path(ctx, run)))
         rows, _ = prune_rows(model, settings=settings, recovery=rc, calib=calib, train=train, val=val,
                              seq_len=cfg.seq_len or meta["seq_len"], batch_size=cfg.batch_size,
                              eval_tokens=cfg.eval_tokens, base_row={})
