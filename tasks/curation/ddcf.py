@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.common.config import require
+from tasks.common.parallel import map_processes
 from tasks.evaluation.downstream import ScoringConfig, check_task_names
 
 Method = Literal["ddcf", "random", "difficulty", "diversity", "full"]
@@ -111,6 +112,7 @@ class PoolConfig:
     snapshot_steps: tuple[int, ...] = (300, 1000)
     lr: float = 1e-2
     batch_size: int = 64
+    workers: int = 1            # processes training the runs at once (1 = in the stage's own process)
 
     def __post_init__(self) -> None:
         require(len(self.shapes) > 0, "shapes", "need at least one shape")
@@ -124,6 +126,7 @@ class PoolConfig:
                 f"need increasing positive steps, got {list(self.snapshot_steps)}")
         require(self.lr > 0, "lr", f"must be positive, got {self.lr}")
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.workers >= 1, "workers", f"must be >= 1, got {self.workers}")
 
     @property
     def n_models(self) -> int:
@@ -389,11 +392,14 @@ def arithmetic_questions(n: int, family: QuestionFamily, rng: np.random.Generato
     return pl.DataFrame(rows, schema=["question", "answer", "op", "digits"], orient="row")
 
 
+BYTE_VOCAB = 257  # 256 bytes and the end-of-text token
+
+
 def byte_tokenizer():
     """The training stage's byte-level BPE with no merges: one token per character, EOS = 0."""
     from tasks.training.tokenizer import train_tokenizer
 
-    return train_tokenizer(["0123456789+-="], 257)
+    return train_tokenizer(["0123456789+-="], BYTE_VOCAB)
 
 
 @dataclass(frozen=True)
@@ -802,6 +808,23 @@ def _stream_sampler(tokenizer, family: QuestionFamily, batch_size: int, seq_len:
     return sample
 
 
+def _pool_model_snapshots(shape_tag: str, ops: str, run_seed: int, cfg: SelectConfig,
+                          seed_set: EncodedQA) -> list[tuple[int, np.ndarray]]:
+    """Train one pool model of setting (a) on the ``ops`` questions of the family and return its
+    exact-match row on ``seed_set`` at every snapshot step (a worker process's job)."""
+    from tasks.training.model import build_model
+
+    torch.set_num_threads(cfg.num_threads)
+    tok = byte_tokenizer()
+    model = build_model(parse_shape(shape_tag), BYTE_VOCAB, cfg.seq_len + 1, seed=run_seed)
+    out: list[tuple[int, np.ndarray]] = []
+    train_on_questions(model, _stream_sampler(tok, _op_subset(cfg.family, ops), cfg.pool.batch_size, cfg.seq_len,
+                                              run_seed),
+                       cfg.pool.snapshot_steps[-1], lr=cfg.pool.lr, snapshots=cfg.pool.snapshot_steps,
+                       on_snapshot=lambda step, m: out.append((step, exact_match(m, seed_set))))
+    return out
+
+
 def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]], np.ndarray] | None = None,
                            log: Callable[[str], None] = lambda s: None) -> SettingResult:
     """DDCF in setting (a): build the pool of models, the correctness matrix on the seed set, the
@@ -815,7 +838,7 @@ def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]]
     embed = embed or (lambda t: question_embeddings(t, cfg.embed_batch_size))
     torch.set_num_threads(cfg.num_threads)
     tok = byte_tokenizer()
-    vocab = 257
+    vocab = BYTE_VOCAB
     # One draw of distinct questions, then split: the three splits share one distribution even
     # where a small difficulty level (1-digit: ~155 questions) runs out of distinct questions.
     rng = np.random.default_rng([cfg.seed, 1])
@@ -829,23 +852,14 @@ def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]]
     emb_pool = embed(pool["question"].to_list())
     log(f"embedded {len(seed_q)} seed and {len(pool)} pool questions")
 
-    # Pool models: one run per (shape, ops, seed), scored on the seed set at every snapshot.
-    rows_c: list[np.ndarray] = []
-    names: list[str] = []
-    for si, shape_tag in enumerate(cfg.pool.shapes):
-        for oi, ops in enumerate(cfg.pool.ops):
-            for s in range(cfg.pool.seeds):
-                run_seed = 1000 + 100 * si + 10 * oi + s
-                model = build_model(parse_shape(shape_tag), vocab, cfg.seq_len + 1, seed=run_seed)
-
-                def snap(step: int, m: nn.Module, tag=f"{shape_tag}/{ops}/s{s}") -> None:
-                    rows_c.append(exact_match(m, enc["seed"]))
-                    names.append(f"{tag}@{step}")
-
-                train_on_questions(model, _stream_sampler(tok, _op_subset(cfg.family, ops), cfg.pool.batch_size,
-                                                          cfg.seq_len, run_seed),
-                                   cfg.pool.snapshot_steps[-1], lr=cfg.pool.lr, snapshots=cfg.pool.snapshot_steps,
-                                   on_snapshot=snap)
+    # Pool models: one run per (shape, ops, seed), scored on the seed set at every snapshot; the runs
+    # are independent, so `pool.workers` processes train them at once (same results: each is seeded).
+    jobs = {f"{shape_tag}/{ops}/s{s}": (shape_tag, ops, 1000 + 100 * si + 10 * oi + s, cfg, enc["seed"])
+            for si, shape_tag in enumerate(cfg.pool.shapes) for oi, ops in enumerate(cfg.pool.ops)
+            for s in range(cfg.pool.seeds)}
+    snapshots = map_processes(_pool_model_snapshots, jobs, cfg.pool.workers)
+    rows_c = [row for tag in jobs for _, row in snapshots[tag]]
+    names = [f"{tag}@{step}" for tag in jobs for step, _ in snapshots[tag]]
     pool_matrix = np.stack(rows_c).astype(np.int8)
     log(f"pool: {len(names)} models, seed accuracy {pool_matrix.mean(1).min():.2f}..{pool_matrix.mean(1).max():.2f}")
 

@@ -298,16 +298,9 @@ def fit_task_laws(rows: Sequence[dict], cfg: TaskLawConfig) -> dict:
 
 def _fit_bpb_laws(jobs: dict[tuple[str, str], tuple], cfg: TaskLawConfig) -> dict[tuple[str, str], dict]:
     """:func:`fit_bpb_law` for every ``(task, variant): (N, D, bpb)``, over ``cfg.n_jobs`` processes."""
-    if cfg.n_jobs == 1 or len(jobs) < 2:
-        return {key: fit_bpb_law(*arrays, cfg) for key, arrays in jobs.items()}
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from tasks.common.parallel import map_processes
 
-    # spawn, not fork: the caller may hold torch/polars thread pools that fork would copy locked.
-    with ProcessPoolExecutor(max_workers=min(cfg.n_jobs, len(jobs)),
-                             mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {key: pool.submit(fit_bpb_law, *arrays, cfg) for key, arrays in jobs.items()}
-        return {key: f.result() for key, f in futures.items()}
+    return map_processes(fit_bpb_law, {key: (*arrays, cfg) for key, arrays in jobs.items()}, cfg.n_jobs)
 
 
 def _finite(x) -> bool:

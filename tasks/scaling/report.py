@@ -9,6 +9,7 @@ law may use.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -188,20 +189,13 @@ def fit_series(series: dict[str, tuple], cfg: FitConfig, configs: Mapping[str, F
     Results do not depend on ``n_jobs`` (replicate i draws from ``(cfg.bootstrap_seed, i)``).
     ``configs``: a config per series name where it differs from ``cfg`` (same ``n_jobs``).
     """
-    configs = configs or {}
-    if cfg.n_jobs == 1 or len(series) < 2:
-        return {name: _fit_law(*arrays, configs.get(name, cfg)) for name, arrays in series.items()}
-    import dataclasses
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from tasks.common.parallel import map_processes
 
-    inner = dataclasses.replace(cfg, n_jobs=1)
-    # spawn, not fork: the parent may hold polars/BLAS thread pools that fork would copy locked.
-    with ProcessPoolExecutor(max_workers=min(cfg.n_jobs, len(series)),
-                             mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: pool.submit(_fit_law, *arrays, dataclasses.replace(configs[name], n_jobs=1)
-                                     if name in configs else inner) for name, arrays in series.items()}
-        return {name: f.result() for name, f in futures.items()}
+    configs = configs or {}
+    many = cfg.n_jobs > 1 and len(series) > 1  # a lone series keeps n_jobs for its own bootstrap
+    jobs = {name: (*arrays, dataclasses.replace(configs.get(name, cfg), n_jobs=1) if many else configs.get(name, cfg))
+            for name, arrays in series.items()}
+    return map_processes(_fit_law, jobs, cfg.n_jobs)
 
 
 def _law_compute(sub: pl.DataFrame) -> tuple[np.ndarray, FlopsPerToken, list[str]]:

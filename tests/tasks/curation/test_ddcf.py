@@ -189,5 +189,7 @@ def test_small_run_end_to_end_with_stand_in_embeddings():
     ddcf = next(r for r in res.rows if r["method"] == "ddcf")
     assert ddcf["labels_used"] == ddcf["k"] + cfg.n_seed == 10 + 40
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in res.rows)
-    again = run_arithmetic_setting(cfg, embed=embed)
+    # the pool trained in two worker processes: the same matrix, in the same order, and the same results
+    again = run_arithmetic_setting(dataclasses.replace(cfg, pool=dataclasses.replace(cfg.pool, workers=2)), embed=embed)
+    assert again.pool_models == res.pool_models and (again.matrix == res.matrix).all()
     assert [r["accuracy"] for r in again.rows] == [r["accuracy"] for r in res.rows]
