@@ -74,7 +74,7 @@ def main() -> int:
     print(f"{run['variant']}/{run['run']}: {', '.join(args.settings)}; losses {args.losses}; lrs {args.lrs}")
     for lr in args.lrs:
         rc = dataclasses.replace(cfg.recovery, lr=lr, losses=tuple(args.losses), data_select=("random",),
-                                 select_settings=(), curve_every=0)
+                                 compare_settings=(), curve_every=0)
         rows, _ = prune_rows(model, settings=settings, recovery=rc, calib=calib, train=train, val=val,
                              seq_len=cfg.seq_len or meta["seq_len"], batch_size=cfg.batch_size,
                              eval_tokens=cfg.eval_tokens, base_row={})

@@ -58,9 +58,12 @@ class RecoveryConfig:
     into ``seq_len`` windows): ``random`` or ``paser`` (:mod:`tasks.compression.paser`, configured
     by ``paser``), each taking ``budget`` of the candidate windows. The first entry runs with every
     loss; the others with the first loss only, which is what comparing selectors at equal loss
-    needs, on the settings ``select_settings`` names (empty = every setting; a PASER selection on
-    SmolLM2 costs ~20 s a setting). A second selector needs ``budget < 1`` (at 1 every selector
-    takes every window).
+    needs. A second selector needs ``budget < 1`` (at 1 every selector takes every window).
+
+    ``compare_settings``: the settings on which the comparisons run, i.e. the losses after the
+    first and the selectors after the first; every other setting is recovered once, by the first
+    loss on the first selector's windows (empty = compare on every setting). On SmolLM2 a PASER
+    selection costs ~20 s a setting and each recovery run ~10 s.
 
     ``curve_every``: the recovery curve's validation perplexity is taken before the first step,
     after every ``curve_every``-th step and after the last; 0 = only those two ends, which the rows
@@ -68,7 +71,7 @@ class RecoveryConfig:
 
     losses: tuple[str, ...] = ("csd", "kl")
     data_select: tuple[str, ...] = ("random",)
-    select_settings: tuple[str, ...] = ()
+    compare_settings: tuple[str, ...] = ()
     budget: float = 1.0
     paser: PaserConfig = field(default_factory=PaserConfig)
     steps: int = 20
@@ -101,11 +104,13 @@ class RecoveryConfig:
 
     def runs(self, setting: str | None = None) -> list[tuple[str, str]]:
         """``(loss, data_select)`` pairs: the first selector with every loss, the others with the first
-        loss (on ``setting`` only when ``select_settings`` is empty or names it)."""
+        loss; on a ``setting`` that ``compare_settings`` leaves out, the first pair only."""
+        if not self.losses:
+            return []
         first, *others = self.data_select
-        if setting is not None and self.select_settings and setting not in self.select_settings:
-            others = []
-        return [(loss, first) for loss in self.losses] + [(self.losses[0], d) for d in others if self.losses]
+        if setting is not None and self.compare_settings and setting not in self.compare_settings:
+            return [(self.losses[0], first)]
+        return [(loss, first) for loss in self.losses] + [(self.losses[0], d) for d in others]
 
     def distill(self, loss: str) -> DistillConfig:
         kind, weighting = RECOVERY_LOSSES[loss]
@@ -181,8 +186,8 @@ class PruningConfig:
         missing = [n for n in self.pretrained_settings if n not in self.settings]
         require(not missing, "pretrained_settings", f"names settings that are not defined: {missing}")
         for key, rc in (("recovery", self.recovery), ("pretrained_recovery", self.pretrained_recovery)):
-            missing = [n for n in (rc.select_settings if rc else ()) if n not in self.settings]
-            require(not missing, f"{key}.select_settings", f"names settings that are not defined: {missing}")
+            missing = [n for n in (rc.compare_settings if rc else ()) if n not in self.settings]
+            require(not missing, f"{key}.compare_settings", f"names settings that are not defined: {missing}")
         unknown = [p for p in self.pretrained if p not in PRETRAINED_MODELS]
         require(not unknown, "pretrained", f"unknown pretrained model(s) {unknown}; known: {list(PRETRAINED_MODELS)}")
         for key in ("calib_tokens", "pretrained_calib_tokens"):

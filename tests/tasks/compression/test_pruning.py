@@ -58,20 +58,33 @@ def test_pretrained_settings_default_to_the_enabled_ones():
     assert list(PruningConfig(settings=SETTINGS, pretrained_settings=("e",)).methods(pretrained=True)) == ["e"]
 
 
-def test_the_demo_prunes_the_ladder_by_every_method_and_smollm2_by_the_block_removers_and_gradpruner():
+def test_the_demo_runs_every_method_loss_and_selector_on_the_ladder_and_smollm2():
     from pathlib import Path
 
     from tasks.common.params import load_stage_config
+    from tasks.compression.pruning import RECOVERY_LOSSES
 
     root = Path(__file__).resolve().parents[3]
     demo, ci, full = (load_stage_config(PruningConfig, root, "pruning", p) for p in ("demo", "ci", "full"))
     assert ci.pretrained == () and demo.pretrained == full.pretrained == ("smollm2",)
     every = {"entrodrop", "cosine_drop", "gradpruner", "inhernet"}
-    assert {m for m, _ in demo.methods(pretrained=True).values()} == every - {"inhernet"}  # ~35 s more: full
-    assert {m for m, _ in demo.methods().values()} == every  # every method on the ladder
-    assert {m for m, _ in full.methods(pretrained=True).values()} == every
-    paser = [s for s in full.methods(pretrained=True) for _, select in full.pretrained_recovery.runs(s) if select == "paser"]
-    assert set(paser) == set(full.methods(pretrained=True))  # full compares the selectors on every SmolLM2 setting
+    for cfg in (demo, full):
+        assert {m for m, _ in cfg.methods().values()} == every
+        assert {m for m, _ in cfg.methods(pretrained=True).values()} == every
+
+    def runs(cfg: PruningConfig, pretrained: bool) -> set[tuple[str, str]]:
+        rc = cfg.pretrained_recovery if pretrained else cfg.recovery
+        return {run for s in cfg.methods(pretrained=pretrained) for run in rc.runs(s)}
+
+    # the ladder compares all four losses and both selectors in the demo, SmolLM2 CSD with KL and PASER
+    assert {loss for loss, _ in runs(demo, False)} == set(RECOVERY_LOSSES)
+    assert {select for _, select in runs(demo, False)} == {"random", "paser"}
+    assert runs(demo, True) == {("csd", "random"), ("kl", "random"), ("csd", "paser")}
+    # and on the settings compare_settings leaves out, one run each (CSD on random windows)
+    demo_smol = demo.pretrained_recovery
+    assert [s for s in demo.methods(pretrained=True) if len(demo_smol.runs(s)) > 1] == ["entrodrop_l2_256"]
+    # full compares every loss and selector on every SmolLM2 setting
+    assert all(len(full.pretrained_recovery.runs(s)) == len(RECOVERY_LOSSES) + 1 for s in full.methods(pretrained=True))
 
 
 def test_flops_count_every_linear_and_the_attention_that_is_left():
@@ -200,11 +213,12 @@ def test_recovery_runs_and_budget():
     assert rc.runs() == [("csd", "random"), ("kl", "random"), ("csd", "paser")]
     with pytest.raises(ValueError, match="budget.*must be < 1 to compare selectors"):
         RecoveryConfig(data_select=("random", "paser"), budget=1.0)
-    some = RecoveryConfig(losses=("csd", "kl"), data_select=("random", "paser"), budget=0.25, select_settings=("c",))
+    some = RecoveryConfig(losses=("csd", "kl"), data_select=("random", "paser"), budget=0.25, compare_settings=("c",))
     assert some.runs("c") == [("csd", "random"), ("kl", "random"), ("csd", "paser")]
-    assert some.runs("e") == [("csd", "random"), ("kl", "random")]  # the first selector only
-    with pytest.raises(ValueError, match="pretrained_recovery.select_settings.*not defined: \\['x'\\]"):
-        PruningConfig(settings=SETTINGS, pretrained_recovery=dataclasses.replace(some, select_settings=("x",)))
+    assert some.runs("e") == [("csd", "random")]  # the first loss on the first selector only
+    assert RecoveryConfig(losses=()).runs() == []
+    with pytest.raises(ValueError, match="pretrained_recovery.compare_settings.*not defined: \\['x'\\]"):
+        PruningConfig(settings=SETTINGS, pretrained_recovery=dataclasses.replace(some, compare_settings=("x",)))
     with pytest.raises(ValueError, match="data_select"):
         RecoveryConfig(data_select=("best",))
 
@@ -225,8 +239,8 @@ def test_prune_rows_with_paser_selects_the_budget(monkeypatch):
     rec = [r for r in rows if r["recovery_loss"] != "none"]
     assert [(r["recovery_loss"], r["data_select"]) for r in rec] == [("csd", "random"), ("csd", "paser")]
     assert all(r["recovery_windows"] == 8 for r in rec)  # 0.25 of 32 windows
-    # select_settings: PASER on one setting only; no embedding at all when none of them selects by PASER
-    only_c = dataclasses.replace(rc, select_settings=("c",))
+    # compare_settings: PASER on one setting only; no embedding at all when none of them selects by PASER
+    only_c = dataclasses.replace(rc, compare_settings=("c",))
     rows, _ = prune_rows(model, settings=PruningConfig(settings=SETTINGS).methods(), recovery=only_c,
                          calib=tokens(256, 1), train=tokens(512, 3), val=tokens(257, 4), seq_len=32, batch_size=4,
                          eval_tokens=256, base_row={}, texts=lambda w: [" ".join(map(str, r.tolist())) for r in w])
