@@ -5,7 +5,8 @@ Run: ``.venv/bin/python benchmarks/sparse_attention_quality.py [--window 4096] [
 
 Every setting scores the same held-out news text (the prepared validation split of the ``demo``
 preset, as in benchmarks/quant_quality.py) in windows of ``--window`` tokens: dense attention, QuoKA
-(chunks of 128 and of 512, floor of 8 earlier keys) and ProxyAttn (blocks of 16; blocks of 64; blocks of 64 with
+(chunks of 128 and of 512, floor of 8 earlier keys; with chunks of 128 also 16, 64 and all 128 of
+the chunk's queries as probes instead of the default 4) and ProxyAttn (blocks of 16; blocks of 64; blocks of 64 with
 the proxy scored from each block's last 16 queries, the setting benchmarks/sparse_speed.py times
 fastest) at ``--sparsity`` of the causal KV pairs skipped. Prints perplexity, its rise over dense and
 the achieved sparsity, and checks issue 10's goal (perplexity up by <= 2% at a 12% budget). Writes
@@ -38,6 +39,9 @@ GOAL = 0.02  # perplexity up by at most 2%
 SETTINGS = {
     "QuoKA (chunk 128)": QuokaConfig(chunk_size=128, min_keys=8),
     "QuoKA (chunk 512)": QuokaConfig(chunk_size=512, min_keys=8),
+    "QuoKA (chunk 128, n_queries 16)": QuokaConfig(chunk_size=128, min_keys=8, n_queries=16),
+    "QuoKA (chunk 128, n_queries 64)": QuokaConfig(chunk_size=128, min_keys=8, n_queries=64),
+    "QuoKA (chunk 128, n_queries 128)": QuokaConfig(chunk_size=128, min_keys=8, n_queries=128),
     "ProxyAttn (block 16)": ProxyAttnConfig(block_size=16),
     "ProxyAttn (block 64)": ProxyAttnConfig(block_size=64),
     "ProxyAttn (block 64, proxy_queries 16)": ProxyAttnConfig(block_size=64, proxy_queries=16),

@@ -13,7 +13,8 @@ Run: ``.venv/bin/python benchmarks/sparse_speed.py [--threads 2] [--part linear 
    reference (``embedding_bag``). Inputs rotate through 8 vectors so the active set changes per call.
    Goals (issue 10): >= 1.6x on 4096->11008, >= 1.3x on 11008->4096.
 2. Prefill attention of one SmolLM2 layer (9 query heads, 3 KV heads, head dim 64, fp32, random
-   q/k/v) at ``--lengths`` tokens: QuoKA (chunks of 128 and of 512) and ProxyAttn (blocks of 16, the
+   q/k/v) at ``--lengths`` tokens: QuoKA (chunks of 128 and of 512; chunks of 128 with 64 and all 128
+   queries as probes, its accurate settings) and ProxyAttn (blocks of 16, the
    quality setting; blocks of 64 with every query scoring the proxy, and with its last 16 only) at a
    12% KV budget (sparsity 0.88) against dense causal ``scaled_dot_product_attention``. Each method
    chooses its keys and attends through :mod:`kernels.sparse_attention` (on CPU: the chosen keys
@@ -107,6 +108,10 @@ def attention_rows(lengths: list[int], rounds: int) -> list[dict]:
                                          max_position_embeddings=max(lengths))).eval()
     handles = {"QuoKA 12% (chunk 128)": quoka(shell, QuokaConfig(chunk_size=128), sparsity=0.88),
                "QuoKA 12% (chunk 512)": quoka(shell, QuokaConfig(chunk_size=512), sparsity=0.88),
+               "QuoKA 12% (chunk 128, n_queries 64)": quoka(shell, QuokaConfig(chunk_size=128, n_queries=64),
+                                                           sparsity=0.88),
+               "QuoKA 12% (chunk 128, n_queries 128)": quoka(shell, QuokaConfig(chunk_size=128, n_queries=128),
+                                                            sparsity=0.88),
                "ProxyAttn 12% (block 16)": proxyattn(shell, ProxyAttnConfig(block_size=16), sparsity=0.88),
                "ProxyAttn 12% (block 64)": proxyattn(shell, ProxyAttnConfig(block_size=64), sparsity=0.88),
                "ProxyAttn 12% (block 64, proxy_queries 16)": proxyattn(
