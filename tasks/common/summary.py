@@ -437,10 +437,24 @@ def sparse_section(reports: Reports) -> tuple[Section, list[str]]:
     return sec, ["Sparse, best per level (median rise in loss): " + "; ".join(best_lines) + "."]
 
 
+def common_recovery(pruning: pl.DataFrame) -> tuple[str, str] | None:
+    """The (loss, data selector) recovery run that every pruned model with a recovery has (the first
+    in row order when several are), or None. With ``recovery.compare_settings`` some settings get
+    every run and others only the first, so this is the one run the whole table can be compared on."""
+    rec = pruning.filter((pl.col("method") != "dense") & (pl.col("recovery_loss").cast(pl.String) != "none"))
+    groups = [set(zip(g["recovery_loss"].cast(pl.String), g["data_select"].cast(pl.String)))
+              for _, g in rec.group_by("variant", "model", "setting", maintain_order=True)]
+    shared = set.intersection(*groups) if groups else set()
+    order = zip(rec["recovery_loss"].cast(pl.String), rec["data_select"].cast(pl.String))
+    return next((pair for pair in order if pair in shared), None)
+
+
 def pruning_table(pruning: pl.DataFrame) -> list[dict[str, Any]]:
     """Per pruned model (``variant/model`` and setting): its method, removed share of the parameters,
-    the dense model's and the pruned model's perplexity, and the recovery run (loss, data selector)
-    that ended lowest, with its perplexity (None when no recovery ran or none is finite)."""
+    the dense model's and the pruned model's perplexity, the perplexity after the recovery run every
+    pruned model has (:func:`common_recovery`; ``ppl_common``), and the recovery run (loss, data
+    selector) that ended lowest, with its perplexity (None when no recovery ran or none is finite)."""
+    common = common_recovery(pruning)
     f = pruning.with_columns(pl.col("ppl").cast(pl.Float64), pl.col("removed_fraction").cast(pl.Float64),
                              pl.col("recovery_loss").cast(pl.String), pl.col("data_select").cast(pl.String),
                              pl.concat_str(pl.col("variant").cast(pl.String), pl.lit("/"),
@@ -453,9 +467,12 @@ def pruning_table(pruning: pl.DataFrame) -> list[dict[str, Any]]:
         recovered = g.filter((pl.col("recovery_loss") != "none") & pl.col("ppl").is_finite()).sort("ppl")
         best = recovered.row(0, named=True) if recovered.height else None
         first = (pruned if pruned.height else g).row(0, named=True)
+        same = g.filter((pl.col("recovery_loss") == common[0]) & (pl.col("data_select") == common[1])) \
+            if common else g.clear()
         out.append({"model": name, "setting": setting, "method": first["method"],
                     "removed_fraction": first["removed_fraction"], "ppl_dense": dense.get(name),
                     "ppl_pruned": pruned["ppl"][0] if pruned.height else None,
+                    "ppl_common": same["ppl"][0] if same.height else None,
                     "ppl_recovered": best["ppl"] if best else None,
                     "recovery_loss": best["recovery_loss"] if best else None,
                     "data_select": best["data_select"] if best else None})
@@ -465,7 +482,7 @@ def pruning_table(pruning: pl.DataFrame) -> list[dict[str, Any]]:
 def pruning_section(reports: Reports) -> tuple[Section, list[str]]:
     pruning = reports.tables["pruning.csv"]
     sec = Section("Pruning and recovery (validation perplexity)",
-                  ["model", "setting", "method", "removed", "ppl dense", "ppl pruned", "best recovered",
+                  ["model", "setting", "method", "removed", "ppl dense", "ppl pruned", "recovered", "best recovered",
                    "loss", "data"])
     if not pruning.height:
         sec.notes.append("pruning.csv has no rows (no pruning setting enabled).")
@@ -474,10 +491,14 @@ def pruning_section(reports: Reports) -> tuple[Section, list[str]]:
     for r in rows:
         sec.rows.append([r["model"], r["setting"], r["method"], f"{r['removed_fraction']:.1%}"
                          if r["removed_fraction"] is not None and math.isfinite(r["removed_fraction"]) else "—",
-                         _fmt(r["ppl_dense"]), _fmt(r["ppl_pruned"]), _fmt(r["ppl_recovered"]),
+                         _fmt(r["ppl_dense"]), _fmt(r["ppl_pruned"]), _fmt(r["ppl_common"]), _fmt(r["ppl_recovered"]),
                          r["recovery_loss"] or "—", r["data_select"] or "—"])
-    sec.notes.append("removed: share of the dense model's parameters. best recovered: the lowest perplexity over "
-                     "the recovery runs (distillation loss, data selector) from that pruned model.")
+    common = common_recovery(pruning)
+    sec.notes.append("removed: share of the dense model's parameters. "
+                     + (f"recovered: after the recovery run every pruned model has ({common[0]} on {common[1]} "
+                        "windows), the column to compare pruning methods on. " if common else "")
+                     + "best recovered: the lowest perplexity over the recovery runs (distillation loss, data "
+                     "selector) from that pruned model; settings outside `recovery.compare_settings` have one run.")
     if (reports.folder / "pruning_recovery.csv").exists():
         sec.notes.append("Perplexity during each recovery run: pruning_recovery.csv"
                          + (" and the plot below." if (reports.folder / "pruning" / "recovery.png").exists() else "."))

@@ -12,8 +12,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tasks.common.summary import (HEADLINE_STAGES, build_summary, compression_table, load_reports, stage_metrics,
-                                  summary_markdown, write_stage_metrics, write_summary)
+from tasks.common.summary import (HEADLINE_STAGES, build_summary, common_recovery, compression_table, load_reports,
+                                  pruning_table, stage_metrics, summary_markdown, write_stage_metrics, write_summary)
 
 ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
@@ -170,8 +170,10 @@ def test_pruning_section_gives_the_best_recovery_per_pruned_model(tmp_path: Path
     pl.DataFrame(pruning_rows()).write_csv(reports / "pruning.csv")
     summary = build_summary(load_reports(reports))
     sec = next(s for s in summary.sections if s.title.startswith("Pruning"))
-    assert sec.rows == [["raw/d64_l3", "entrodrop_l1", "entrodrop", "25.0%", "20", "40", "28", "kl", "random"],
-                        ["raw/d64_l3", "cosine_l1", "cosine_drop", "25.0%", "20", "50", "—", "—", "—"]]
+    # "recovered": the run both settings have (csd on random windows; the cosine one diverged)
+    assert sec.rows == [["raw/d64_l3", "entrodrop_l1", "entrodrop", "25.0%", "20", "40", "30", "28", "kl", "random"],
+                        ["raw/d64_l3", "cosine_l1", "cosine_drop", "25.0%", "20", "50", "—", "—", "—", "—"]]
+    assert any("every pruned model has (csd on random windows)" in n for n in sec.notes)
     assert sec.plots == [] and not any("pruning_recovery.csv" in n for n in sec.notes)
     assert ("Pruning: raw/d64_l3 entrodrop_l1 (25.0% of the parameters removed) went from perplexity 20 to 40, "
             "and 28 after recovery by kl on random windows (the lowest recovered perplexity).") in summary.headline
@@ -182,7 +184,7 @@ def test_pruning_section_gives_the_best_recovery_per_pruned_model(tmp_path: Path
     summary, path = write_summary(reports)
     md = path.read_text()
     assert "## Pruning and recovery (validation perplexity)" in md
-    assert "| raw/d64_l3 | entrodrop_l1 | entrodrop | 25.0% | 20 | 40 | 28 | kl | random |" in md
+    assert "| raw/d64_l3 | entrodrop_l1 | entrodrop | 25.0% | 20 | 40 | 30 | 28 | kl | random |" in md
     assert "pruning_recovery.csv and the plot below." in md and "![recovery](pruning/recovery.png)" in md
     # a prune stage with no settings writes an empty file: a note, no table
     (reports / "pruning.csv").write_text("")
@@ -227,3 +229,14 @@ def test_headline_metrics_keep_dvc_metrics_show_narrow(tmp_path: Path):
     expected = sum(len(list((reports / "metrics" / s).glob("*.json"))) for s in HEADLINE_STAGES) + 1  # + prepare.json
     assert len(rows) == expected == 1 + 9 + 9 + 12 + 8 + 10 + 9
     assert max(map(len, lines)) < 1500, max(map(len, lines))
+
+
+def test_common_recovery_is_the_run_every_pruned_model_has():
+    frame = pl.DataFrame(pruning_rows())
+    assert common_recovery(frame) == ("csd", "random")
+    # no run shared by both settings: no common column
+    no_shared = frame.filter(~((pl.col("setting") == "entrodrop_l1") & (pl.col("recovery_loss") == "csd")
+                               & (pl.col("data_select") == "random")))
+    assert common_recovery(no_shared) is None
+    assert all(r["ppl_common"] is None for r in pruning_table(no_shared))
+    assert common_recovery(frame.filter(pl.col("recovery_loss") == "none")) is None
