@@ -838,7 +838,6 @@ def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]]
     embed = embed or (lambda t: question_embeddings(t, cfg.embed_batch_size))
     torch.set_num_threads(cfg.num_threads)
     tok = byte_tokenizer()
-    vocab = BYTE_VOCAB
     # One draw of distinct questions, then split: the three splits share one distribution even
     # where a small difficulty level (1-digit: ~155 questions) runs out of distinct questions.
     rng = np.random.default_rng([cfg.seed, 1])
@@ -869,7 +868,7 @@ def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]]
     ks = cfg.ks()
     for ti, target_tag in enumerate(cfg.targets):
         t_seed = 7000 + ti
-        base = build_model(parse_shape(target_tag), vocab, cfg.seq_len + 1, seed=t_seed)
+        base = build_model(parse_shape(target_tag), BYTE_VOCAB, cfg.seq_len + 1, seed=t_seed)
         if cfg.target_pretrain_steps:
             train_on_questions(base, _stream_sampler(tok, cfg.family, cfg.pool.batch_size, cfg.seq_len, t_seed),
                                cfg.target_pretrain_steps, lr=cfg.pool.lr, cooldown_frac=cfg.target_cooldown_frac)
