@@ -172,6 +172,23 @@ def bootstrap_pvalue(d: np.ndarray, axis: int = 0) -> np.ndarray:
     return np.where(n > 0, p, np.nan)
 
 
+def normal_pvalue(delta: float, replicates: np.ndarray) -> float:
+    """Two-sided p-value of ``delta = 0`` from the bootstrap's standard error (normal approximation):
+    ``2 (1 - Phi(|delta| / sd(replicates)))``. Used where many comparisons are Holm-adjusted: a
+    percentile p-value (:func:`bootstrap_pvalue`) cannot fall below ``2 / (n + 1)``, which Holm's
+    factor then multiplies past any level. 0 when the replicates have no spread and delta != 0."""
+    from scipy.stats import norm
+
+    reps = np.asarray(replicates, dtype=float)
+    reps = reps[np.isfinite(reps)]
+    if len(reps) < 2 or not np.isfinite(delta):
+        return float("nan")
+    se = float(reps.std(ddof=1))
+    if se == 0:
+        return 1.0 if delta == 0 else 0.0
+    return float(2 * norm.sf(abs(delta) / se))
+
+
 def pairing(x: BootstrapResult, y: BootstrapResult) -> str:
     """``"paired_by_key"`` when both bootstraps resampled the same run keys with the same
     replicates (same ladder: replicate i is the same resample), else ``"independent"``."""

@@ -6,10 +6,61 @@ Load it with ``load_stage_config(FitConfig, root, "fit", preset)``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from tasks.common.config import require
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecisionConfig:
+    """Decisions on paired differences (:mod:`tasks.scaling.decisions`, :mod:`tasks.scaling.joint`):
+    the ``fit.decisions`` section."""
+
+    # Every other trained series is compared with this one (a data variant, or e.g. raw for raw+repb).
+    reference: str = "raw"
+    # Which series to compare; empty = every trained series but the reference.
+    compared: tuple[str, ...] = ()
+    # Targets decided on besides the whole validation split: each corpus source's documents
+    # (``val:<source>``) and the downstream tasks' bits per byte of the gold answer (DataDecide's
+    # most predictive proxy; needs the evaluate stage's items).
+    per_source: bool = True
+    downstream_bpb: bool = True
+    # Document bootstrap replicates for observed differences.
+    n_bootstrap: int = 1000
+    # Exponents shared by every series in the joint fit ("alpha", "beta"); E, A and B are per series.
+    shared: tuple[str, ...] = ("alpha", "beta")
+    # Exponent search of the variable-projection fit: `grid_steps` values over [grid_lo, grid_hi],
+    # then `zoom_steps` over +-1 step around the optimum.
+    grid_lo: float = 0.05
+    grid_hi: float = 2.0
+    grid_steps: int = 40
+    zoom_steps: int = 11
+    # Replicates of the joint fit's paired bootstrap over runs (projections, backtest) and of the
+    # nested test's parametric bootstrap.
+    fit_bootstrap: int = 400
+    nested_bootstrap: int = 200
+    # Projections at these multiples of the ladder's largest compute budget.
+    target_multiples: tuple[float, ...] = (3.0, 10.0)
+    # Calls are made at family-wise level 1 - confidence (Holm within each family).
+    confidence: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(bool(self.reference), "reference", "must name a trained series, got an empty string")
+        require(self.reference not in self.compared, "compared",
+                f"must not contain the reference {self.reference!r}")
+        require(self.n_bootstrap >= 100, "n_bootstrap", f"must be >= 100, got {self.n_bootstrap}")
+        require(set(self.shared) <= {"alpha", "beta"}, "shared",
+                f"may only list 'alpha' and 'beta', got {list(self.shared)}")
+        require(0 < self.grid_lo < self.grid_hi, "grid_lo", f"need 0 < grid_lo < grid_hi, got {self.grid_lo}, {self.grid_hi}")
+        require(self.grid_steps >= 3, "grid_steps", f"must be >= 3, got {self.grid_steps}")
+        require(self.zoom_steps >= 1, "zoom_steps", f"must be >= 1, got {self.zoom_steps}")
+        require(self.fit_bootstrap >= 0, "fit_bootstrap", f"must be >= 0, got {self.fit_bootstrap}")
+        require(self.nested_bootstrap >= 0, "nested_bootstrap", f"must be >= 0, got {self.nested_bootstrap}")
+        require(len(self.target_multiples) >= 1 and all(m > 1 and math.isfinite(m) for m in self.target_multiples),
+                "target_multiples", f"must list multiples > 1 of the largest trained budget, got {self.target_multiples}")
+        require(0 < self.confidence < 1, "confidence", f"must be in (0, 1), got {self.confidence}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +168,8 @@ class FitConfig:
     # (Holm 1979 over every pair x budget, and over pairs for reversals); budgets outside the
     # measured compute range of both ladders are reported but not tested.
     reversal_confidence: float = 0.95
+    # Paired decisions (observed and projected Delta against a reference series).
+    decisions: DecisionConfig = field(default_factory=DecisionConfig)
 
     def __post_init__(self) -> None:
         require(self.huber_delta > 0, "huber_delta", f"must be > 0, got {self.huber_delta}")

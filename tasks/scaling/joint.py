@@ -1,0 +1,461 @@
+"""A joint Chinchilla fit of several series with a shared shape, fitted by variable projection.
+
+``L_v(N, D) = E_v + A_v / N^alpha_v + B_v / D^beta_v`` for every series v (a data variant, an
+architecture, a training method) of one ladder. By default the exponents are shared
+(``alpha_v = alpha``, ``beta_v = beta``) and E, A, B are per series: the shape of the law is a
+property of the model family and the training recipe, the intervention moves its levels. That is
+an assumption QualityPajama shows can fail (interventions can move the exponents), so it is
+*tested*: :func:`nested_test` compares it with a model where one series has exponents of its own.
+
+Variable projection (Golub & Pereyra 1973): for fixed exponents the law is linear in (E, A, B), so
+the non-negative least-squares solution is exact (every active set of three columns is tried) and
+only the exponents are searched, on a grid with one zoom step. That is fast enough to refit every
+bootstrap replicate (:func:`bootstrap_joint`), and it has no starting point to get wrong.
+
+Deviation from Hoffmann et al.'s Approach 3 (Huber on log L, L-BFGS-B from a grid): the residual
+here is least squares on L itself, which variable projection needs; at these losses (2-6 nats,
+differences of a few hundredths) the two weightings differ by well under the seed noise. The
+per-series Approach-3 laws (:mod:`tasks.scaling.chinchilla`) are fitted as before, beside this.
+
+``N`` and ``D`` are scaled by their geometric means before the powers are taken, so the design
+stays well conditioned at alpha = 2; A and B are reported in the original units.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tasks.scaling.compute_optimal import FlopsPerToken, holm_adjust, normal_pvalue, optimal_allocation
+
+EXPONENTS = ("alpha", "beta")
+# every non-empty active set of the three linear columns (E, A, B); the empty set is the zero law
+_SUBSETS = [s for k in (1, 2, 3) for s in itertools.combinations(range(3), k)]
+
+
+@dataclass(frozen=True)
+class SeriesPoints:
+    """One series' runs: N, D, L (nats) and a weight per run (a bootstrap count; 1 by default)."""
+
+    N: np.ndarray
+    D: np.ndarray
+    L: np.ndarray
+    w: np.ndarray | None = None
+
+    def weights(self) -> np.ndarray:
+        return np.ones(len(self.L)) if self.w is None else np.asarray(self.w, dtype=float)
+
+
+@dataclass(frozen=True)
+class ExponentGrid:
+    """The exponent search: ``steps`` values of alpha and of beta evenly over ``[lo, hi]``, then one
+    zoom of ``zoom_steps`` values over +-1 step around the optimum."""
+
+    lo: float = 0.05
+    hi: float = 2.0
+    steps: int = 79
+    zoom_steps: int = 11
+
+    def values(self) -> np.ndarray:
+        return np.linspace(self.lo, self.hi, self.steps)
+
+    @property
+    def step(self) -> float:
+        return (self.hi - self.lo) / max(self.steps - 1, 1)
+
+
+@dataclass
+class JointFit:
+    """Exponents and linear terms per series, the residual sum of squares and the points used."""
+
+    params: dict[str, dict[str, float]]  # series -> {E, A, B, alpha, beta}
+    sse: float
+    n_points: int
+    shared: tuple[str, ...]
+    at_bound: dict[str, list[str]] = field(default_factory=dict)  # series -> exponents on the grid's edge
+
+    def loss(self, series: str, N, D) -> np.ndarray:
+        p = self.params[series]
+        return p["E"] + p["A"] / np.asarray(N, float) ** p["alpha"] + p["B"] / np.asarray(D, float) ** p["beta"]
+
+    def to_dict(self) -> dict:
+        return {"params": self.params, "sse": self.sse, "n_points": self.n_points, "shared": list(self.shared),
+                "at_bound": self.at_bound}
+
+
+def _scales(data: Mapping[str, SeriesPoints]) -> tuple[float, float]:
+    n = np.concatenate([p.N for p in data.values()])
+    d = np.concatenate([p.D for p in data.values()])
+    return float(np.exp(np.log(n).mean())), float(np.exp(np.log(d).mean()))
+
+
+def _solve_small(g: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Batched solve of ``g c = r`` for k = 1, 2, 3 by Cramer's rule (numpy's batched LAPACK call
+    costs ~10x more at these sizes); singular systems give non-finite entries."""
+    k = r.shape[-1]
+    with np.errstate(all="ignore"):
+        if k == 1:
+            return r / g[..., 0]
+        if k == 2:
+            det = g[..., 0, 0] * g[..., 1, 1] - g[..., 0, 1] * g[..., 1, 0]
+            c0 = (r[..., 0] * g[..., 1, 1] - g[..., 0, 1] * r[..., 1]) / det
+            c1 = (g[..., 0, 0] * r[..., 1] - r[..., 0] * g[..., 1, 0]) / det
+            return np.stack([c0, c1], axis=-1)
+        cof = np.stack([np.cross(g[..., 1, :], g[..., 2, :]), np.cross(g[..., 2, :], g[..., 0, :]),
+                        np.cross(g[..., 0, :], g[..., 1, :])], axis=-1)  # adjugate's columns (g symmetric)
+        det = np.einsum("...i,...i->...", g[..., 0, :], cof[..., :, 0])
+        return np.einsum("...ij,...j->...i", cof, r) / det[..., None]
+
+
+def _nnls3(gram: np.ndarray, rhs: np.ndarray, yy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exact non-negative least squares with three columns, batched over leading axes.
+
+    ``gram`` (..., 3, 3) = X^T W X, ``rhs`` (..., 3) = X^T W y, ``yy`` (...) = y^T W y. Tries every
+    active set; the feasible one with the least residual is the NNLS optimum (the optimum is the
+    unconstrained solution on its own positive set). Returns ``(coef (..., 3), sse (...))``.
+    """
+    shape = rhs.shape[:-1]
+    best_sse = np.array(yy, dtype=float, copy=True)  # the all-zero solution
+    best = np.zeros(shape + (3,))
+    for s in _SUBSETS:
+        idx = np.array(s)
+        c = _solve_small(gram[..., idx[:, None], idx[None, :]], rhs[..., idx])
+        sse = yy - np.einsum("...i,...i->...", c, rhs[..., idx])
+        ok = np.all(c >= 0, axis=-1) & np.isfinite(sse) & (sse < best_sse)
+        best_sse = np.where(ok, sse, best_sse)
+        for j, col in enumerate(s):
+            best[..., col] = np.where(ok, c[..., j], best[..., col])
+        for col in set(range(3)) - set(s):
+            best[..., col] = np.where(ok, 0.0, best[..., col])
+    return best, np.maximum(best_sse, 0.0)
+
+
+def sse_surface(p: SeriesPoints, alphas: np.ndarray, betas: np.ndarray, n0: float, d0: float
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """NNLS residual and (E, A', B') of one series at every (alpha, beta) of the grid.
+
+    ``A'`` and ``B'`` are in scaled units (``N / n0``, ``D / d0``). Returns ``(sse (Ga, Gb),
+    coef (Ga, Gb, 3))``.
+    """
+    w = p.weights()
+    x = (p.N / n0)[None, :] ** -alphas[:, None]  # (Ga, n)
+    y = (p.D / d0)[None, :] ** -betas[:, None]  # (Gb, n)
+    L = p.L
+    ga, gb = len(alphas), len(betas)
+    gram = np.empty((ga, gb, 3, 3))
+    gram[..., 0, 0] = w.sum()
+    sx, sy = x @ w, y @ w
+    gram[..., 0, 1] = gram[..., 1, 0] = sx[:, None]
+    gram[..., 0, 2] = gram[..., 2, 0] = sy[None, :]
+    gram[..., 1, 1] = ((x * x) @ w)[:, None]
+    gram[..., 2, 2] = ((y * y) @ w)[None, :]
+    gram[..., 1, 2] = gram[..., 2, 1] = (x * w) @ y.T
+    rhs = np.empty((ga, gb, 3))
+    rhs[..., 0] = w @ L
+    rhs[..., 1] = ((x * w) @ L)[:, None]
+    rhs[..., 2] = ((y * w) @ L)[None, :]
+    coef, sse = _nnls3(gram, rhs, np.full((ga, gb), float(w @ (L * L))))
+    return sse, coef
+
+
+def _zoom(grid: ExponentGrid, centre: float) -> np.ndarray:
+    if grid.zoom_steps <= 1:
+        return np.array([centre])
+    return np.clip(np.linspace(centre - grid.step, centre + grid.step, grid.zoom_steps), grid.lo, grid.hi)
+
+
+def _search(data: Mapping[str, SeriesPoints], members: Sequence[str], grid: ExponentGrid, n0: float, d0: float,
+            alphas: np.ndarray, betas: np.ndarray, shared: tuple[str, ...]) -> tuple[float, dict[str, tuple[float, float]]]:
+    """Least total SSE of ``members`` on an (alpha, beta) grid, with ``shared`` exponents common to
+    them and the others per series; returns ``(sse, {series: (alpha, beta)})``."""
+    surfaces = np.stack([sse_surface(data[m], alphas, betas, n0, d0)[0] for m in members])  # (V, Ga, Gb)
+    if shared == ("alpha", "beta"):
+        total = surfaces.sum(0)
+        i, j = np.unravel_index(np.argmin(total), total.shape)
+        return float(total[i, j]), {m: (alphas[i], betas[j]) for m in members}
+    if shared == ("alpha",):
+        per = surfaces.min(2)  # (V, Ga): each series' best beta at every alpha
+        i = int(np.argmin(per.sum(0)))
+        js = surfaces[:, i, :].argmin(1)
+        return float(per[:, i].sum()), {m: (alphas[i], betas[j]) for m, j in zip(members, js)}
+    if shared == ("beta",):
+        per = surfaces.min(1)
+        j = int(np.argmin(per.sum(0)))
+        is_ = surfaces[:, :, j].argmin(1)
+        return float(per[:, j].sum()), {m: (alphas[i], betas[j]) for m, i in zip(members, is_)}
+    out, total = {}, 0.0
+    for m, s in zip(members, surfaces):
+        i, j = np.unravel_index(np.argmin(s), s.shape)
+        out[m] = (alphas[i], betas[j])
+        total += float(s[i, j])
+    return total, out
+
+
+def _polish(data: Mapping[str, SeriesPoints], members: Sequence[str], start: tuple[float, float],
+            grid: ExponentGrid, n0: float, d0: float) -> tuple[float, float]:
+    """Nelder-Mead on (alpha, beta) from the grid's optimum, inside the grid's range: the grid
+    leaves the SSE up to ~1% above the continuous optimum."""
+    from scipy.optimize import minimize
+
+    def total(ab: np.ndarray) -> float:
+        a, b = np.clip(ab, grid.lo, grid.hi)
+        return float(sum(sse_surface(data[m], np.array([a]), np.array([b]), n0, d0)[0][0, 0] for m in members))
+
+    res = minimize(total, np.array(start), method="Nelder-Mead",
+                   options={"xatol": 1e-5, "fatol": 1e-14, "initial_simplex": np.array(
+                       [start, (start[0] + grid.step / 4, start[1]), (start[0], start[1] + grid.step / 4)])})
+    best = np.clip(res.x, grid.lo, grid.hi)
+    return (float(best[0]), float(best[1])) if total(best) <= total(np.array(start)) else start
+
+
+def fit_joint(data: Mapping[str, SeriesPoints], *, shared: Sequence[str] = EXPONENTS,
+              own: Sequence[str] = (), grid: ExponentGrid = ExponentGrid(), scales: tuple[float, float] | None = None,
+              window: Mapping[str, tuple[float, float]] | None = None, polish: bool = True) -> JointFit:
+    """Fit every series of ``data`` at once: ``shared`` exponents common to all series except those
+    in ``own`` (which get exponents of their own), E, A, B >= 0 per series.
+
+    ``window``: search only within +-``half_width`` of a given (alpha, beta) centre, as
+    ``{"centre": (a, b), "half_width": (h, h)}`` -- used by the bootstrap around the point estimate.
+    ``polish``: finish with Nelder-Mead on the exponents (not for one shared exponent).
+    A one-series call is the per-series least-squares law.
+
+    >>> fit = fit_joint({"raw": SeriesPoints(N, D, L), "dedup": SeriesPoints(N, D, L2)})  # doctest: +SKIP
+    >>> fit.params["dedup"]["alpha"] == fit.params["raw"]["alpha"]                           # doctest: +SKIP
+    True
+    """
+    shared = tuple(e for e in EXPONENTS if e in shared)
+    unknown = [s for s in own if s not in data]
+    if unknown:
+        raise ValueError(f"own: {unknown[0]!r} is not a fitted series ({sorted(data)})")
+    n0, d0 = scales or _scales(data)
+    alphas = betas = grid.values()
+    if window is not None:
+        (ca, cb), (ha, hb) = window["centre"], window["half_width"]
+        alphas = alphas[(alphas >= ca - ha) & (alphas <= ca + ha)]
+        betas = betas[(betas >= cb - hb) & (betas <= cb + hb)]
+    groups = [([m for m in data if m not in own], shared)] + [([m], ()) for m in own]
+    exps: dict[str, tuple[float, float]] = {}
+    for members, sh in groups:
+        if not members:
+            continue
+        _, coarse = _search(data, members, grid, n0, d0, alphas, betas, sh)
+        # one zoom around the coarse optimum; a shared exponent zooms once for the group
+        if sh == ("alpha", "beta"):
+            a, b = next(iter(coarse.values()))
+            _, fine = _search(data, members, grid, n0, d0, _zoom(grid, a), _zoom(grid, b), sh)
+        elif not sh:
+            fine = {}
+            for m in members:
+                a, b = coarse[m]
+                fine |= _search(data, [m], grid, n0, d0, _zoom(grid, a), _zoom(grid, b), ())[1]
+        else:  # one shared exponent: keep the coarse optimum (a zoom would need a union of windows)
+            fine = coarse
+        if polish and sh == ("alpha", "beta"):
+            ab = _polish(data, members, next(iter(fine.values())), grid, n0, d0)
+            fine = dict.fromkeys(members, ab)
+        elif polish and not sh:
+            fine = {m: _polish(data, [m], fine[m], grid, n0, d0) for m in members}
+        exps |= fine
+    params, total, at_bound = {}, 0.0, {}
+    for m, p in data.items():
+        a, b = exps[m]
+        sse, coef = sse_surface(p, np.array([a]), np.array([b]), n0, d0)
+        e_, a_, b_ = coef[0, 0]
+        params[m] = {"E": float(e_), "A": float(a_ * n0 ** a), "B": float(b_ * d0 ** b),
+                     "alpha": float(a), "beta": float(b)}
+        total += float(sse[0, 0])
+        edge = [name for name, v in (("alpha", a), ("beta", b)) if min(abs(v - grid.lo), abs(v - grid.hi)) < 1e-6]
+        if edge:
+            at_bound[m] = edge
+    n = int(sum(len(p.L) for p in data.values()))
+    return JointFit(params=params, sse=total, n_points=n, shared=shared, at_bound=at_bound)
+
+
+def _fitted(fit: JointFit, data: Mapping[str, SeriesPoints]) -> dict[str, np.ndarray]:
+    return {m: fit.loss(m, p.N, p.D) for m, p in data.items()}
+
+
+def likelihood_ratio(sse_null: float, sse_alt: float, n: int) -> float:
+    """Gaussian likelihood-ratio statistic ``n log(SSE_0 / SSE_1)`` of two nested least-squares fits."""
+    if sse_alt <= 0:
+        return float("inf") if sse_null > 0 else 0.0
+    return float(n * np.log(max(sse_null, sse_alt) / sse_alt))
+
+
+def _shared_vs_own(data: Mapping[str, SeriesPoints], tested: Sequence[str], grid: ExponentGrid, n0: float,
+                   d0: float) -> tuple[float, dict[str, float]]:
+    """The SSE with every exponent shared, and for each tested series the SSE when it alone has
+    exponents of its own: one coarse surface per series, then a zoom around each optimum."""
+    values = grid.values()
+    coarse = {m: sse_surface(p, values, values, n0, d0)[0] for m, p in data.items()}
+
+    def zoomed(members: list[str], surface: np.ndarray) -> float:
+        # three zooms of +-1 step around the optimum: the grid's resolution shrinks ~125-fold,
+        # so the statistic does not depend on where the grid's points happen to fall
+        i, j = np.unravel_index(np.argmin(surface), surface.shape)
+        a, b, half = values[i], values[j], grid.step
+        for _ in range(3):
+            za = np.clip(np.linspace(a - half, a + half, max(grid.zoom_steps, 3)), grid.lo, grid.hi)
+            zb = np.clip(np.linspace(b - half, b + half, max(grid.zoom_steps, 3)), grid.lo, grid.hi)
+            total = sum(sse_surface(data[m], za, zb, n0, d0)[0] for m in members)
+            i, j = np.unravel_index(np.argmin(total), total.shape)
+            a, b, half = za[i], zb[j], 2 * half / (max(grid.zoom_steps, 3) - 1)
+        return float(total[i, j])
+
+    total = sum(coarse.values())
+    null = zoomed(list(data), total)
+    alt = {}
+    for v in tested:
+        others = [m for m in data if m != v]
+        alt[v] = (zoomed(others, total - coarse[v]) if others else 0.0) + zoomed([v], coarse[v])
+    return null, alt
+
+
+def nested_test(data: Mapping[str, SeriesPoints], tested: Sequence[str], *, grid: ExponentGrid = ExponentGrid(),
+                n_bootstrap: int = 200, seed: int = 0, level: float = 0.05,
+                min_points: int = 5) -> dict[str, dict]:
+    """Does series v move the exponents? For each v in ``tested``: the null model shares (alpha,
+    beta) across every series; the alternative gives v exponents of its own.
+
+    The statistic is the Gaussian likelihood ratio of the two least-squares fits; its null distribution comes from a parametric bootstrap (residuals of
+    the shared fit, resampled with replacement onto its fitted values; one set of replicates serves
+    every v). p-values are Holm-adjusted across ``tested``. The answer per v: ``yes`` (adjusted
+    p < ``level``), ``no``, or ``cannot tell`` when v has fewer than ``min_points`` runs, fewer than
+    2 distinct N or D, or its own exponents end on the edge of the search grid (not identified by
+    its points).
+    """
+    n0, d0 = _scales(data)
+    null = fit_joint(data, grid=grid, scales=(n0, d0))
+    n = null.n_points
+    s0, s1 = _shared_vs_own(data, tested, grid, n0, d0)
+    observed = {v: likelihood_ratio(s0, s1[v], n) for v in tested}
+    fitted = _fitted(null, data)
+    resid = np.concatenate([data[m].L - fitted[m] for m in data])
+    resid = resid - resid.mean()
+    rng = np.random.default_rng(seed)
+    exceed = dict.fromkeys(tested, 0)
+    for _ in range(n_bootstrap):
+        draw = rng.choice(resid, size=len(resid), replace=True)
+        star, k = {}, 0
+        for m, p in data.items():
+            star[m] = SeriesPoints(p.N, p.D, fitted[m] + draw[k:k + len(p.L)], p.w)
+            k += len(p.L)
+        b0, b1 = _shared_vs_own(star, tested, grid, n0, d0)
+        for v in tested:
+            exceed[v] += likelihood_ratio(b0, b1[v], n) >= observed[v] - 1e-12
+    raw_p = [(1 + exceed[v]) / (n_bootstrap + 1) if n_bootstrap else float("nan") for v in tested]
+    adj = holm_adjust(raw_p)
+    out = {}
+    for v, p_raw, p_adj in zip(tested, raw_p, adj):
+        pts = data[v]
+        own = fit_joint({v: pts}, grid=grid, scales=(n0, d0))
+        reasons = []
+        if len(pts.L) < min_points:
+            reasons.append(f"{len(pts.L)} runs (< {min_points})")
+        if len(np.unique(pts.N)) < 2 or len(np.unique(pts.D)) < 2:
+            reasons.append("fewer than 2 distinct N or D")
+        if v in own.at_bound:
+            reasons.append(f"its own {' and '.join(own.at_bound[v])} end on the search grid's edge "
+                           f"[{grid.lo}, {grid.hi}]")
+        answer = "cannot tell" if reasons else ("yes" if np.isfinite(p_adj) and p_adj < level else "no")
+        out[v] = {"moves_exponents": answer, "lr_statistic": observed[v], "p_value": p_raw,
+                  "p_holm": float(p_adj), "n_bootstrap": n_bootstrap, "reasons": reasons,
+                  "shared": {"alpha": null.params[v]["alpha"], "beta": null.params[v]["beta"]},
+                  "own": {"alpha": own.params[v]["alpha"], "beta": own.params[v]["beta"]}}
+    return out
+
+
+@dataclass
+class JointBootstrap:
+    """Per replicate and series, the law's parameters (NaN where a replicate failed)."""
+
+    series: list[str]
+    samples: dict[str, np.ndarray]  # series -> (n_replicates, 5): E, A, B, alpha, beta
+    n_requested: int
+
+
+def run_keys(data: Mapping[str, SeriesPoints]) -> list[tuple[float, float]]:
+    """The distinct (N, D) runs of the ladder, across series."""
+    return sorted({(float(n), float(d)) for p in data.values() for n, d in zip(p.N, p.D)})
+
+
+def bootstrap_joint(data: Mapping[str, SeriesPoints], point: JointFit, *, n_bootstrap: int, seed: int = 0,
+                    grid: ExponentGrid = ExponentGrid(), window: float = 0.6, min_distinct: int = 2) -> JointBootstrap:
+    """Refit the joint law on resampled ladders: distinct (N, D) runs drawn with replacement, the
+    same draw for every series (the series share the ladder, so their differences stay paired).
+
+    Each replicate searches +-``window`` around the point estimate's exponents (a replicate whose
+    optimum is on that window's edge is kept; the window is wide against the intervals seen).
+    Draws with fewer than ``min_distinct`` distinct N or D are redrawn.
+    """
+    keys = run_keys(data)
+    index = {k: i for i, k in enumerate(keys)}
+    key_of = {m: np.array([index[(float(n), float(d))] for n, d in zip(p.N, p.D)]) for m, p in data.items()}
+    n_keys = len(keys)
+    n_uniq = np.array([k[0] for k in keys])
+    d_uniq = np.array([k[1] for k in keys])
+    rng = np.random.default_rng(seed)
+    n0, d0 = _scales(data)
+    centre = next(iter(point.params.values()))
+    win = {"centre": (centre["alpha"], centre["beta"]), "half_width": (window, window)}
+    series = list(data)
+    samples = {m: np.full((n_bootstrap, 5), np.nan) for m in series}
+    for r in range(n_bootstrap):
+        for _ in range(100):
+            counts = np.bincount(rng.integers(0, n_keys, n_keys), minlength=n_keys).astype(float)
+            used = counts > 0
+            if len(np.unique(n_uniq[used])) >= min_distinct and len(np.unique(d_uniq[used])) >= min_distinct:
+                break
+        star = {m: SeriesPoints(p.N, p.D, p.L, p.weights() * counts[key_of[m]]) for m, p in data.items()}
+        if point.shared != EXPONENTS:
+            fit = fit_joint(star, shared=point.shared, grid=grid, scales=(n0, d0), polish=False)
+        else:
+            fit = fit_joint(star, grid=grid, scales=(n0, d0), window=win, polish=False)
+        for m in series:
+            q = fit.params[m]
+            samples[m][r] = [q["E"], q["A"], q["B"], q["alpha"], q["beta"]]
+    return JointBootstrap(series=series, samples=samples, n_requested=n_bootstrap)
+
+
+def optimal_loss(params: np.ndarray | Mapping[str, float], C: np.ndarray, flops: FlopsPerToken) -> np.ndarray:
+    """The compute-optimal loss L*(C) of a law (``params``: a {E, A, B, alpha, beta} mapping, or an
+    (n, 5) array of replicates -> (n, len(C)))."""
+    if isinstance(params, Mapping):
+        arr = np.array([[params[k] for k in ("E", "A", "B", "alpha", "beta")]])
+        return optimal_allocation(*(arr[:, i:i + 1] for i in range(5)), np.asarray(C, float),
+                                  flops_k=flops.k, flops_gamma=flops.gamma)["loss_pred"][0]
+    return optimal_allocation(*(params[:, i:i + 1] for i in range(5)), np.asarray(C, float),
+                              flops_k=flops.k, flops_gamma=flops.gamma)["loss_pred"]
+
+
+def optimal_tokens(params: Mapping[str, float], C: np.ndarray, flops: FlopsPerToken) -> np.ndarray:
+    """D*(C) of a law: the tokens the compute-optimal model trains on at each budget."""
+    arr = np.array([[params[k] for k in ("E", "A", "B", "alpha", "beta")]])
+    return optimal_allocation(*(arr[:, i:i + 1] for i in range(5)), np.asarray(C, float),
+                              flops_k=flops.k, flops_gamma=flops.gamma)["D_opt"][0]
+
+
+def projected_differences(point: JointFit, boot: JointBootstrap, reference: str, compared: Sequence[str],
+                          budgets: Sequence[float], flops: FlopsPerToken, confidence: float) -> list[dict]:
+    """Delta(C) = L*_v(C) - L*_ref(C) at each budget, with a percentile interval and a two-sided
+    p-value from the paired replicates' standard error (Holm adjustment is the caller's, across every
+    comparison it decides)."""
+    C = np.asarray(budgets, dtype=float)
+    ref_point = optimal_loss(point.params[reference], C, flops)
+    ref_boot = optimal_loss(boot.samples[reference], C, flops)
+    lo_q, hi_q = (1 - confidence) / 2, 1 - (1 - confidence) / 2
+    rows = []
+    for v in compared:
+        delta = optimal_loss(point.params[v], C, flops) - ref_point
+        reps = optimal_loss(boot.samples[v], C, flops) - ref_boot  # (n, m)
+        ok = np.isfinite(reps)
+        for j, c in enumerate(C):
+            col = reps[ok[:, j], j]
+            lo, hi = (np.quantile(col, [lo_q, hi_q]) if len(col) else (np.nan, np.nan))
+            rows.append({"variant": v, "reference": reference, "compute_budget": float(c), "delta": float(delta[j]),
+                         "ci_low": float(lo), "ci_high": float(hi), "p_value": normal_pvalue(delta[j], col),
+                         "n_replicates": int(len(col))})
+    return rows
