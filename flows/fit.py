@@ -12,11 +12,14 @@ import polars as pl
 from prefect import flow
 
 from flows.artifacts import law_table, publish_table
-from flows.stage import stage_context, stage_run
+from flows.stage import stage_context, stage_run, write_table
+from tasks.common.io import write_csv
 from tasks.common.lineage import data_ref, log_datasets
 from tasks.common.summary import PRETRAINED
+from tasks.scaling.compute_optimal import fit_flops_per_token
 from tasks.scaling.config import FitConfig
-from tasks.scaling.report import exclude_runs, fit_points, write_fit_report
+from tasks.scaling.decisions import DOC_COLUMNS, decision_report
+from tasks.scaling.report import exclude_runs, fit_points, write_decision_plots, write_fit_report
 
 # N by params' n_definition, from train.csv; reports written before these columns existed have
 # only n_params (non-embedding), which is used instead and named in fits.json.
@@ -100,6 +103,76 @@ def gather_points(reports: Path, cfg: FitConfig = FitConfig()) -> GatheredPoints
     return GatheredPoints(points=kept.select(keep_cols), excluded_runs=excluded, n_column=n_column)
 
 
+# The columns of reports/decisions.csv, in order (README, "Decisions").
+DECISION_COLUMNS = ("variant", "reference", "target", "kind", "comparison", "budget", "budget_kind", "run",
+                    "reference_run", "delta", "ci_low", "ci_high", "p_value", "p_holm", "decision", "n_docs",
+                    "n_seeds", "sigma_doc", "sigma_seed", "repeats_data", "D_opt_variant", "D_opt_reference",
+                    "n_replicates")
+
+
+def downstream_items(reports: Path) -> pl.DataFrame | None:
+    """Per-item gold-answer bits per byte of the trained (uncompressed, unpruned) ladder models, from
+    the evaluate stage's ``downstream/items.parquet``: columns variant, run, item, bpb (None when
+    absent)."""
+    path = reports / "downstream" / "items.parquet"
+    if not path.exists():
+        return None
+    items = pl.read_parquet(path, columns=["model", "family", "method", "task", "doc_id", "bpb"])
+    items = items.filter((pl.col("family") == "ladder") & (pl.col("method") == "none")
+                         & ~pl.col("model").str.contains(":", literal=True))
+    return items.select(pl.col("model").str.split("/").list.get(0).alias("variant"),
+                        pl.col("model").str.split("/").list.get(1).alias("run"),
+                        pl.concat_str([pl.col("task"), pl.col("doc_id").cast(pl.String)], separator=":").alias("item"),
+                        pl.col("bpb").cast(pl.Float64))
+
+
+def decision_metrics(rows: list[dict], decisions: dict) -> dict[str, float]:
+    """MLflow metrics of the fit run: per compared series, Delta on the whole split at the largest
+    budget (observed, best run per budget) and at each projected budget, with interval ends."""
+    out: dict[str, float] = {}
+    observed = [r for r in rows if r["kind"] == "observed" and r["comparison"] == "best" and r["target"] == "val"]
+    top = max((r["budget"] for r in observed), default=None)
+    for r in rows:
+        name = r["variant"].replace("+", "_")  # MLflow metric names allow no '+' (raw+repb)
+        if r["kind"] == "observed" and r in observed and r["budget"] == top:
+            key = f"delta.{name}.observed"
+        elif r["kind"] == "projected":
+            key = f"delta.{name}.projected_{r['budget']:.0e}".replace("+", "")
+        else:
+            continue
+        out |= {key: r["delta"], f"{key}.ci_low": r["ci_low"], f"{key}.ci_high": r["ci_high"]}
+    sigma = (decisions.get("sigma_seed") or {}).get("value")
+    if sigma is not None:
+        out["sigma_seed"] = sigma
+    return {k: float(v) for k, v in out.items() if v is not None}
+
+
+def run_decisions(reports: Path, points: pl.DataFrame, cfg: FitConfig) -> dict:
+    """The decisions of :func:`tasks.scaling.decisions.decision_report` on this workdir's reports:
+    per-document losses from ``val_docs.parquet`` (every seed), unique tokens per series from
+    train.csv, downstream bits per byte from the evaluate stage's items."""
+    docs_path = reports / "val_docs.parquet"
+    docs = None
+    if docs_path.exists():
+        docs = pl.read_parquet(docs_path)
+        missing = [c for c in DOC_COLUMNS if c not in docs.columns]
+        if missing:
+            raise ValueError(f"{docs_path}: missing column {missing[0]!r} (need {', '.join(DOC_COLUMNS)})")
+        docs = docs.select(DOC_COLUMNS)
+    train = pl.read_csv(reports / "train.csv")
+    unique = {}
+    if "train_tokens_available" in train.columns:
+        unique = {r["variant"]: float(r["t"]) for r in train.group_by("variant").agg(
+            pl.col("train_tokens_available").max().alias("t")).iter_rows(named=True)}
+    trained = points.filter(pl.col("series") == "trained") if "series" in points.columns else points
+    ref = trained.filter(pl.col("variant") == cfg.decisions.reference)
+    source = ref if ref.height else trained
+    flops = fit_flops_per_token(source["N"].to_numpy(), source["D"].to_numpy(),
+                                source["C"].to_numpy() if "C" in source.columns else 6 * source["N"] * source["D"])
+    return decision_report(points, docs, cfg.decisions, flops=flops, unique_tokens=unique,
+                           downstream=downstream_items(reports))
+
+
 @flow(name="fit", log_prints=True)
 def fit_flow(
     root: str = ".",
@@ -116,11 +189,21 @@ def fit_flow(
                            if (ctx.layout.reports / f"{n}.csv").exists()], "training")
         report = fit_points(gathered.points, cfg, excluded_runs=gathered.excluded_runs)
         report["n_column"] = gathered.n_column
+        decisions = run_decisions(ctx.layout.reports, gathered.points, cfg)
+        rows = decisions.pop("rows")
+        report["decisions"] = decisions
+        table = [{c: r.get(c) for c in DECISION_COLUMNS} for r in rows]
+        if table:
+            write_table(ctx, "decisions", table, run)
+        else:  # the header alone, so readers find the columns
+            write_csv(ctx.layout.reports / "decisions.csv", pl.DataFrame(schema=dict.fromkeys(DECISION_COLUMNS, pl.String)))
         paths = write_fit_report(report, gathered.points, ctx.layout.reports, plots_dir=ctx.layout.plots)
+        paths += write_decision_plots(rows, ctx.layout.plots)
         for p in paths:
             run.log_artifact(p, "plots" if p.suffix == ".png" else "reports")
         run.log_metrics({"n_excluded_runs": len(gathered.excluded_runs),
-                         "n_identified_laws": sum(bool(v.get("identified")) for v in report["variants"].values())})
+                         "n_identified_laws": sum(bool(v.get("identified")) for v in report["variants"].values())}
+                        | decision_metrics(rows, decisions))
         for variant, fit in report.get("variants", {}).items():
             if not isinstance(fit, dict) or "alpha" not in fit:
                 continue
@@ -136,6 +219,8 @@ def fit_flow(
                       "Scaling laws L(N, D) = E + A/N^alpha + B/D^beta with bootstrap intervals",
                       "A law is *identified* only if its intervals are narrow enough, |rho(alpha, beta)| is small "
                       "and its backtest is close (README, 'Fits'); every reason is in reports/fits.json.")
-        print(f"fit: {len(report.get('variants', {}))} laws, {len(gathered.excluded_runs)} runs excluded "
-              f"-> {ctx.layout.reports / 'fits.json'}")
+        decided = sum(r["decision"] != "undecided" for r in rows)
+        print(f"fit: {len(report.get('variants', {}))} laws, {len(gathered.excluded_runs)} runs excluded; "
+              f"{len(rows)} paired comparisons against {decisions['reference']!r}, {decided} decided "
+              f"-> {ctx.layout.reports / 'fits.json'}, {ctx.layout.reports / 'decisions.csv'}")
         return report

@@ -37,7 +37,7 @@ REPORT_FILES: dict[str, str] = {
     "compute_optimal.csv": "fit",
 }
 # Optional extras: read when present, never reported missing (the prune stage is not part of every run).
-OPTIONAL_FILES = ("downstream_comparisons.csv", "pruning.csv")
+OPTIONAL_FILES = ("downstream_comparisons.csv", "pruning.csv", "decisions.csv")
 # Columns the summary needs from each CSV (a file without one is refused, naming it).
 REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
     "curation.csv": ("variant", "docs_in", "docs_kept", "tokens_kept"),
@@ -49,6 +49,8 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
                             "tokens_per_param_ci_high", "loss_pred", "inside_measured_range"),
     "downstream_comparisons.csv": ("verdict",),
     "pruning.csv": ("variant", "model", "setting", "method", "removed_fraction", "recovery_loss", "data_select", "ppl"),
+    "decisions.csv": ("variant", "reference", "target", "kind", "comparison", "budget", "delta", "ci_low", "ci_high",
+                      "decision", "n_docs", "n_seeds"),
 }
 LAW_PARAMS = ("E", "alpha", "beta")
 # compress.csv rows of the pretrained model (SmolLM2) carry this variant
@@ -150,6 +152,7 @@ class Summary:
     headline: list[str]
     sections: list[Section]
     missing: list[str]
+    decisions: list[str] = field(default_factory=list)  # one line per compared series: read first
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -551,6 +554,66 @@ def curation_section(reports: Reports) -> Section:
     return sec
 
 
+def _verdict(r: dict, unit: str = "nats") -> str:
+    """``better by 0.021 [0.012, 0.030] nats`` / ``undecided: +0.004 [-0.003, 0.011]``."""
+    ci = f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]"
+    if r["decision"] == "undecided":
+        return f"undecided: {_delta(r['delta'])} {ci} {unit}"
+    return f"{r['decision']} by {_fmt(abs(r['delta']))} {ci} {unit}"
+
+
+def decision_lines(reports: Reports) -> list[str]:
+    """One line per compared series (decisions.csv, fits.json's nested test): the observed paired
+    Delta at the largest budget on the whole validation split, each projected budget, whether the
+    series moves the exponents, and the sources where it is decidedly better or worse."""
+    table = reports.table("decisions.csv")
+    if table is None or not table.height:
+        return []
+    decisions = reports.json.get("fits.json", {}).get("decisions", {})
+    nested = decisions.get("nested", {})
+    rows = table.to_dicts()
+    lines = []
+    for name in sorted({r["variant"] for r in rows}):
+        mine = [r for r in rows if r["variant"] == name]
+        ref = mine[0]["reference"]
+        parts = []
+        obs = [r for r in mine if r["kind"] == "observed" and r["comparison"] == "best" and r["target"] == "val"]
+        if obs:
+            top = max(obs, key=lambda r: float(r["budget"]))
+            unit = "tokens" if top.get("budget_kind") == "tokens" else "FLOPs"
+            seeds = f", {top['n_seeds']} seeds" if top.get("n_seeds") and int(top["n_seeds"]) > 1 else ""
+            parts.append(f"{_verdict(top)} at {float(top['budget']):.2g} {unit} ({top['n_docs']:,} docs{seeds})")
+        for r in sorted((r for r in mine if r["kind"] == "projected"), key=lambda r: float(r["budget"])):
+            flag = " (repeats data)" if r.get("repeats_data") else ""
+            parts.append(f"projected at {float(r['budget']):.2g}: {_verdict(r)}{flag}")
+        if name in nested:
+            n = nested[name]
+            answer = {"yes": "moved", "no": "not moved", "cannot tell": "cannot tell"}[n["moves_exponents"]]
+            parts.append(f"exponents: {answer} (p = {_fmt(n['p_holm'], 2)})")
+        sources = [r for r in mine if r["kind"] == "observed" and r["comparison"] == "best"
+                   and str(r["target"]).startswith("val:") and r["decision"] != "undecided"
+                   and obs and r["budget"] == max(float(o["budget"]) for o in obs)]
+        if sources:
+            parts.append("by source: " + ", ".join(f"{r['target'][4:]} {r['decision']} {_delta(r['delta'])}"
+                                                   for r in sources))
+        bpb = [r for r in mine if r["target"] == "downstream_bpb"]
+        if bpb:
+            top = max(bpb, key=lambda r: float(r["budget"]))
+            parts.append(f"downstream bpb: {_verdict(top, 'bits/byte')}")
+        lines.append(f"{name} vs {ref}: " + "; ".join(parts) if parts else f"{name} vs {ref}: no comparison made")
+    backtest = decisions.get("backtest") or {}
+    if backtest.get("pairs"):
+        lines.append(f"Backtest (fit without the largest budget, predict Delta there): sign right in "
+                     f"{sum(p['sign_right'] for p in backtest['pairs'])} of {len(backtest['pairs'])} pairs, "
+                     f"interval covers the observed Delta in {sum(p['covered'] for p in backtest['pairs'])} "
+                     f"of {len(backtest['pairs'])}.")
+    sigma = (decisions.get("sigma_seed") or {}).get("value")
+    lines.append("Delta = loss(series) - loss(reference) on the same validation documents, best run per budget; "
+                 "95% intervals over documents" + (f" and seeds (sigma_seed {_fmt(sigma)} nats)" if sigma else "")
+                 + "; better/worse after Holm's correction; every target and ladder point in reports/decisions.csv.")
+    return lines
+
+
 def build_summary(reports: Reports) -> Summary:
     """The sections that the files present allow, a few headline sentences, and what is missing."""
     sections, headline = [], []
@@ -566,13 +629,16 @@ def build_summary(reports: Reports) -> Summary:
             sec, lines = make(reports)
             sections.append(sec)
             headline += lines
-    return Summary(folder=reports.folder, headline=headline, sections=sections, missing=reports.missing_lines())
+    return Summary(folder=reports.folder, headline=headline, sections=sections, missing=reports.missing_lines(),
+                   decisions=decision_lines(reports))
 
 
 def summary_markdown(summary: Summary, *, images: bool = True) -> str:
     """The summary as Markdown; ``images`` embeds the plots (paths relative to ``reports/``), else
     names them (for places that cannot reach the files, such as a Prefect artifact)."""
     out = ["# What this run found", ""]
+    if summary.decisions:
+        out += ["## Decisions", "", *(f"- {line}" for line in summary.decisions), ""]
     if summary.missing:
         out += ["**Incomplete workdir:**", "", *(f"- {m}" for m in summary.missing), ""]
     out += [f"- {line}" for line in summary.headline] + [""]
@@ -602,6 +668,11 @@ def print_summary(summary: Summary, console: Any | None = None) -> None:
 
     console = console or Console()
     console.rule("[bold]What this run found")
+    if summary.decisions:
+        console.print("[bold]Decisions")
+        for line in summary.decisions:
+            console.print(f"• {line}", highlight=False)
+        console.print()
     for line in summary.headline:
         console.print(f"• {line}", highlight=False)
     for sec in summary.sections:

@@ -38,7 +38,7 @@ import polars as pl
 
 from tasks.scaling.compute_optimal import FlopsPerToken, holm_adjust, normal_pvalue
 from tasks.scaling.joint import (
-    ExponentGrid, JointFit, SeriesPoints, bootstrap_joint, fit_joint, nested_test, optimal_tokens,
+    ExponentGrid, JointFit, SeriesPoints, bootstrap_joint, fit_joint, ladder_range, nested_test,
     projected_differences,
 )
 
@@ -165,9 +165,10 @@ def observed_differences(frame: pl.DataFrame, runs: pl.DataFrame, reference: str
     """Observed Delta of every compared series against ``reference``, per target.
 
     ``frame``: per-document losses (:data:`DOC_COLUMNS`); ``runs``: one row per base-seed run with
-    ``variant, run, loss`` and ``compute_budget`` (None for points outside the IsoFLOP grid), as
+    ``variant, run, D`` and ``compute_budget`` (None for points outside the IsoFLOP grid), as
     reports/train.csv. Rows: kind ``observed``, comparison ``same_size`` (each run both trained) and
-    ``best`` (each series' best run at each budget, by its seed-averaged loss on the target),
+    ``best`` (each series' best run at each budget -- :func:`with_budget` -- by its seed-averaged
+    loss on the target),
     decided by :func:`decide` per (target, comparison).
     """
     check_doc_losses(frame)
@@ -177,12 +178,13 @@ def observed_differences(frame: pl.DataFrame, runs: pl.DataFrame, reference: str
             raise ValueError(f"decisions: the {what} {name!r} has no per-document validation losses "
                              f"(trained: {sorted(have)})")
     out = []
+    runs, budget_kind = with_budget(runs)
     for target in targets:
         d = doc_losses(frame, target)
         weights = document_weights(len(d.docs), n_bootstrap, seed)
         sigma, _ = seed_sigma(d)
         same, best = [], []
-        budgets = runs.filter(pl.col("compute_budget").is_not_null())
+        budgets = runs.filter(pl.col("budget").is_not_null())
         for v in compared:
             shared_runs = sorted(set(runs.filter(pl.col("variant") == v)["run"].to_list())
                                  & set(runs.filter(pl.col("variant") == reference)["run"].to_list()))
@@ -190,16 +192,16 @@ def observed_differences(frame: pl.DataFrame, runs: pl.DataFrame, reference: str
                 x, y = d.seeds(v, run), d.seeds(reference, run)
                 if not x or not y:
                     continue
-                budget = runs.filter((pl.col("variant") == v) & (pl.col("run") == run))["compute_budget"][0]
+                budget = runs.filter((pl.col("variant") == v) & (pl.col("run") == run))["budget"][0]
                 r = paired_difference(d, [(v, run, s) for s in x], [(reference, run, s) for s in y], weights,
                                       sigma_seed=sigma, confidence=confidence, seed=seed)
                 same.append({"variant": v, "reference": reference, "target": target, "kind": "observed",
-                             "comparison": "same_size", "compute_budget": budget, "run": run,
+                             "comparison": "same_size", "budget": budget, "budget_kind": budget_kind, "run": run,
                              "reference_run": run} | r)
-            for budget in sorted(set(budgets["compute_budget"].to_list())):
+            for budget in sorted(set(budgets["budget"].to_list())):
                 pick = {}
                 for s in (v, reference):
-                    cands = [r for r in budgets.filter((pl.col("variant") == s) & (pl.col("compute_budget") == budget))
+                    cands = [r for r in budgets.filter((pl.col("variant") == s) & (pl.col("budget") == budget))
                              ["run"].to_list() if d.seeds(s, r)]
                     if cands:
                         pick[s] = min(cands, key=lambda r, s=s: np.mean([d.loss((s, r, k)) for k in d.seeds(s, r)]))
@@ -209,10 +211,19 @@ def observed_differences(frame: pl.DataFrame, runs: pl.DataFrame, reference: str
                                       [(reference, pick[reference], k) for k in d.seeds(reference, pick[reference])],
                                       weights, sigma_seed=sigma, confidence=confidence, seed=seed)
                 best.append({"variant": v, "reference": reference, "target": target, "kind": "observed",
-                             "comparison": "best", "compute_budget": budget, "run": pick[v],
+                             "comparison": "best", "budget": budget, "budget_kind": budget_kind, "run": pick[v],
                              "reference_run": pick[reference]} | r)
         out += decide(same, confidence) + decide(best, confidence)
     return out
+
+
+def with_budget(runs: pl.DataFrame) -> tuple[pl.DataFrame, str]:
+    """Add ``budget``: the IsoFLOP compute budget where the ladder has one (points outside the grid
+    get none), else each run's token budget (a sizes x tokens grid). Returns the frame and which
+    (``"flops"`` or ``"tokens"``)."""
+    if "compute_budget" in runs.columns and runs["compute_budget"].drop_nulls().len():
+        return runs.with_columns(pl.col("compute_budget").cast(pl.Float64).alias("budget")), "flops"
+    return runs.with_columns(pl.col("D").cast(pl.Float64).alias("budget")), "tokens"
 
 
 def ranking_agreement(best_losses: Mapping[float, Mapping[str, float]]) -> dict:
@@ -228,7 +239,7 @@ def ranking_agreement(best_losses: Mapping[float, Mapping[str, float]]) -> dict:
         names = sorted(set(here) & set(top))
         pairs = [(a, c) for i, a in enumerate(names) for c in names[i + 1:]]
         agree = sum((here[a] < here[c]) == (top[a] < top[c]) for a, c in pairs)
-        rows.append({"compute_budget": b, "pairs": len(pairs), "agree": agree,
+        rows.append({"budget": b, "pairs": len(pairs), "agree": agree,
                      "accuracy": agree / len(pairs) if pairs else None})
     return {"largest_budget": budgets[-1], "per_budget": rows}
 
@@ -250,49 +261,63 @@ def projected_rows(fit: JointFit, data: Mapping[str, SeriesPoints], reference: s
     ``repeats_data`` when the series' D*(C) exceeds its unique training tokens (Muennighoff et al.
     2023: repeated tokens are worth less, which a single-epoch ladder cannot measure)."""
     boot = bootstrap_joint(data, fit, n_bootstrap=n_bootstrap, seed=seed, grid=grid)
-    rows = projected_differences(fit, boot, reference, compared, budgets, flops, confidence)
+    rows = projected_differences(fit, boot, reference, compared, budgets, flops, confidence, ladder_range(data))
     for r in rows:
         flags = []
-        for s in (r["variant"], reference):
+        for s, need in ((r["variant"], r["D_opt_variant"]), (reference, r["D_opt_reference"])):
             have = (unique_tokens or {}).get(s)
-            need = float(optimal_tokens(fit.params[s], np.array([r["compute_budget"]]), flops)[0])
             if have is not None and need > have:
                 flags.append(f"{s}: D* {need:.3g} > {have:.3g} unique tokens")
-        r |= {"target": WHOLE_SPLIT, "kind": "projected", "comparison": "compute_optimal",
+        r["budget"] = r.pop("compute_budget")
+        r |= {"budget_kind": "flops", "target": WHOLE_SPLIT, "kind": "projected", "comparison": "compute_optimal",
               "repeats_data": "; ".join(flags) or None, "n_seeds": None, "n_docs": None}
     return rows
 
 
 def backtest_decisions(runs: pl.DataFrame, observed_best: Sequence[dict], reference: str, compared: Sequence[str],
-                       flops: FlopsPerToken, *, n_bootstrap: int, confidence: float, seed: int,
-                       grid: ExponentGrid, shared: Sequence[str]) -> dict:
-    """Refit the joint law on every budget but the largest; predict Delta at the largest and check it
-    against the observed ``best`` Delta there (whole split): is the sign right, does the interval
-    cover it?"""
-    budgets = sorted(b for b in runs["compute_budget"].drop_nulls().unique().to_list())
+                       *, n_bootstrap: int, confidence: float, seed: int, grid: ExponentGrid,
+                       shared: Sequence[str]) -> dict:
+    """Refit the joint law on every budget but the largest (:func:`with_budget`), predict each
+    series' best loss among the held-out runs' (N, D) and so Delta there, and check it against the
+    observed ``best`` Delta on the whole split: is the sign right, does the interval cover it?"""
+    runs, kind = with_budget(runs)
+    budgets = sorted(runs["budget"].drop_nulls().unique().to_list())
     if len(budgets) < 3:
-        return {"skipped": f"{len(budgets)} compute budgets; the backtest needs 3 (two to fit, one held out)"}
+        return {"skipped": f"{len(budgets)} budgets; the backtest needs 3 (two to fit, one held out)"}
     top = budgets[-1]
-    train = runs.filter(pl.col("compute_budget").is_null() | (pl.col("compute_budget") < top))
+    train = runs.filter(pl.col("budget").is_null() | (pl.col("budget") < top))
+    held = runs.filter(pl.col("budget") == top)
     data = series_points(train, [reference, *compared])
     fit = fit_joint(data, shared=shared, grid=grid)
-    predicted = projected_rows(fit, data, reference, compared, [top], flops, n_bootstrap=n_bootstrap,
-                               confidence=confidence, seed=seed, grid=grid)
+    boot = bootstrap_joint(data, fit, n_bootstrap=n_bootstrap, seed=seed, grid=grid)
+
+    def best_loss(params, v):  # (n,) or scalar: the law's best loss over v's held-out runs
+        pts = held.filter(pl.col("variant") == v)
+        N, D = pts["N"].to_numpy()[None, :], pts["D"].to_numpy()[None, :]
+        p = np.atleast_2d(params)
+        return np.min(p[:, [0]] + p[:, [1]] / N ** p[:, [3]] + p[:, [2]] / D ** p[:, [4]], axis=1)
+
+    as_row = {m: np.array([[fit.params[m][k] for k in ("E", "A", "B", "alpha", "beta")]]) for m in data}
     seen = {r["variant"]: r for r in observed_best
-            if r["comparison"] == "best" and r["target"] == WHOLE_SPLIT and r["compute_budget"] == top}
+            if r["comparison"] == "best" and r["target"] == WHOLE_SPLIT and r["budget"] == top}
+    lo_q = (1 - confidence) / 2
     pairs = []
-    for p in predicted:
-        o = seen.get(p["variant"])
-        if o is None:
+    for v in compared:
+        o = seen.get(v)
+        if o is None or not held.filter(pl.col("variant") == v).height:
             continue
-        pairs.append({"variant": p["variant"], "reference": reference, "compute_budget": top,
-                      "predicted": p["delta"], "ci_low": p["ci_low"], "ci_high": p["ci_high"],
+        predicted = float(best_loss(as_row[v], v)[0] - best_loss(as_row[reference], reference)[0])
+        reps = best_loss(boot.samples[v], v) - best_loss(boot.samples[reference], reference)
+        reps = reps[np.isfinite(reps)]
+        lo, hi = np.quantile(reps, [lo_q, 1 - lo_q]) if len(reps) else (np.nan, np.nan)
+        pairs.append({"variant": v, "reference": reference, "budget": top, "budget_kind": kind,
+                      "predicted": predicted, "ci_low": float(lo), "ci_high": float(hi),
                       "observed": o["delta"], "observed_ci_low": o["ci_low"], "observed_ci_high": o["ci_high"],
-                      "sign_right": bool(np.sign(p["delta"]) == np.sign(o["delta"])),
-                      "covered": bool(p["ci_low"] <= o["delta"] <= p["ci_high"]),
-                      "excludes_zero": bool(p["ci_low"] > 0 or p["ci_high"] < 0)})
+                      "sign_right": bool(np.sign(predicted) == np.sign(o["delta"])),
+                      "covered": bool(lo <= o["delta"] <= hi),
+                      "excludes_zero": bool(lo > 0 or hi < 0)})
     decided = [q for q in pairs if q["excludes_zero"]]
-    return {"held_out_budget": top, "fitted_budgets": budgets[:-1], "pairs": pairs,
+    return {"held_out_budget": top, "budget_kind": kind, "fitted_budgets": budgets[:-1], "pairs": pairs,
             "sign_agreement": float(np.mean([q["sign_right"] for q in pairs])) if pairs else None,
             "coverage": float(np.mean([q["covered"] for q in pairs])) if pairs else None,
             "sign_agreement_where_decided": (float(np.mean([q["sign_right"] for q in decided])) if decided else None),
@@ -343,11 +368,11 @@ def decision_report(points: pl.DataFrame, docs: pl.DataFrame | None, cfg, *, flo
         out["sigma_seed"] = {"value": sigma, "dof": dof, "target": WHOLE_SPLIT,
                              "seeds": sorted(docs["seed"].unique().to_list())}
         best: dict[float, dict[str, float]] = {}
-        for r in runs.filter(pl.col("compute_budget").is_not_null()).iter_rows(named=True):
+        for r in with_budget(runs)[0].filter(pl.col("budget").is_not_null()).iter_rows(named=True):
             seeds = whole.seeds(r["variant"], r["run"])
             if seeds:
                 loss = float(np.mean([whole.loss((r["variant"], r["run"], s)) for s in seeds]))
-                cur = best.setdefault(r["compute_budget"], {})
+                cur = best.setdefault(r["budget"], {})
                 cur[r["variant"]] = min(cur.get(r["variant"], np.inf), loss)
         out["ranking_agreement"] = ranking_agreement(best)
     else:
@@ -375,7 +400,7 @@ def decision_report(points: pl.DataFrame, docs: pl.DataFrame | None, cfg, *, flo
         out["nested"] = nested_test(data, fitted[1:], grid=grid, n_bootstrap=cfg.nested_bootstrap, seed=cfg.seed,
                                     level=1 - cfg.confidence)
         observed_best = [r for r in rows if r["kind"] == "observed"]
-        out["backtest"] = backtest_decisions(runs, observed_best, cfg.reference, fitted[1:], flops,
+        out["backtest"] = backtest_decisions(runs, observed_best, cfg.reference, fitted[1:],
                                              n_bootstrap=cfg.fit_bootstrap, confidence=cfg.confidence,
                                              seed=cfg.seed, grid=grid, shared=cfg.shared)
     return out | {"rows": rows}
@@ -386,14 +411,15 @@ def downstream_differences(items: pl.DataFrame, runs: pl.DataFrame, reference: s
     """Observed Delta of the downstream tasks' mean bits per byte of the gold answer between each
     series' and the reference's best evaluated run per budget, paired over items (target
     ``downstream_bpb``; lower is better). ``items``: ``variant, run, item, bpb``."""
+    runs, budget_kind = with_budget(runs)
     evaluated = items.group_by("variant", "run").agg(pl.col("bpb").mean().alias("mean_bpb"))
-    evaluated = evaluated.join(runs.select("variant", "run", "compute_budget"), on=["variant", "run"], how="inner")
+    evaluated = evaluated.join(runs.select("variant", "run", "budget"), on=["variant", "run"], how="inner")
     rows = []
     for v in compared:
-        for budget in sorted(evaluated["compute_budget"].drop_nulls().unique().to_list()):
+        for budget in sorted(evaluated["budget"].drop_nulls().unique().to_list()):
             pick = {}
             for s in (v, reference):
-                cand = evaluated.filter((pl.col("variant") == s) & (pl.col("compute_budget") == budget))
+                cand = evaluated.filter((pl.col("variant") == s) & (pl.col("budget") == budget))
                 if cand.height:
                     pick[s] = cand.sort("mean_bpb")["run"][0]
             if len(pick) < 2:
@@ -409,7 +435,7 @@ def downstream_differences(items: pl.DataFrame, runs: pl.DataFrame, reference: s
             lo_q = (1 - confidence) / 2
             lo, hi = np.quantile(reps, [lo_q, 1 - lo_q])
             rows.append({"variant": v, "reference": reference, "target": "downstream_bpb", "kind": "observed",
-                         "comparison": "best", "compute_budget": budget, "run": pick[v],
+                         "comparison": "best", "budget": budget, "budget_kind": budget_kind, "run": pick[v],
                          "reference_run": pick[reference], "delta": float(diff.mean()), "ci_low": float(lo),
                          "ci_high": float(hi), "p_value": normal_pvalue(float(diff.mean()), reps),
                          "sigma_doc": float(reps.std(ddof=1)), "sigma_seed": None, "n_docs": int(len(diff)),

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tasks.scaling.compute_optimal import FlopsPerToken, holm_adjust, normal_pvalue, optimal_allocation
+from tasks.scaling.compute_optimal import FlopsPerToken, holm_adjust, normal_pvalue
 
 EXPONENTS = ("alpha", "beta")
 # every non-empty active set of the three linear columns (E, A, B); the empty set is the zero law
@@ -420,42 +420,61 @@ def bootstrap_joint(data: Mapping[str, SeriesPoints], point: JointFit, *, n_boot
     return JointBootstrap(series=series, samples=samples, n_requested=n_bootstrap)
 
 
-def optimal_loss(params: np.ndarray | Mapping[str, float], C: np.ndarray, flops: FlopsPerToken) -> np.ndarray:
-    """The compute-optimal loss L*(C) of a law (``params``: a {E, A, B, alpha, beta} mapping, or an
-    (n, 5) array of replicates -> (n, len(C)))."""
+def optimal_point(params: np.ndarray | Mapping[str, float], C, flops: FlopsPerToken,
+                  n_range: tuple[float, float], n_grid: int = 256) -> dict[str, np.ndarray]:
+    """The compute-optimal loss L*(C) = min over N of L(N, C / f(N)), searched on ``n_grid``
+    log-spaced sizes over ``n_range``, with the N* and D* that reach it.
+
+    A numerical minimum instead of Hoffmann et al.'s closed form (their eq. 4), which is undefined
+    when a fit puts A or B at 0; inside the range they agree. ``params``: a {E, A, B, alpha, beta}
+    mapping, or (n, 5) replicate rows -> arrays of shape (n, len(C)); ``at_edge`` marks optima on
+    the searched range's edge (the law asks for a model size the ladder says nothing about).
+    """
     if isinstance(params, Mapping):
-        arr = np.array([[params[k] for k in ("E", "A", "B", "alpha", "beta")]])
-        return optimal_allocation(*(arr[:, i:i + 1] for i in range(5)), np.asarray(C, float),
-                                  flops_k=flops.k, flops_gamma=flops.gamma)["loss_pred"][0]
-    return optimal_allocation(*(params[:, i:i + 1] for i in range(5)), np.asarray(C, float),
-                              flops_k=flops.k, flops_gamma=flops.gamma)["loss_pred"]
+        params = np.array([[params[k] for k in ("E", "A", "B", "alpha", "beta")]], dtype=float)
+    p = np.asarray(params, dtype=float)
+    C = np.atleast_1d(np.asarray(C, dtype=float))
+    N = np.geomspace(n_range[0], n_range[1], n_grid)  # (g,)
+    D = C[:, None] / flops(N)[None, :]  # (m, g)
+    with np.errstate(all="ignore"):
+        L = (p[:, 0, None, None] + p[:, 1, None, None] / N[None, None, :] ** p[:, 3, None, None]
+             + p[:, 2, None, None] / D[None, :, :] ** p[:, 4, None, None])  # (n, m, g)
+    L = np.where(np.isfinite(L), L, np.inf)
+    k = L.argmin(axis=2)
+    loss = np.take_along_axis(L, k[..., None], axis=2)[..., 0]
+    loss = np.where(np.isfinite(loss), loss, np.nan)
+    return {"loss": loss, "N_opt": N[k], "D_opt": np.take_along_axis(np.broadcast_to(D, L.shape), k[..., None], 2)[..., 0],
+            "at_edge": (k == 0) | (k == n_grid - 1)}
 
 
-def optimal_tokens(params: Mapping[str, float], C: np.ndarray, flops: FlopsPerToken) -> np.ndarray:
-    """D*(C) of a law: the tokens the compute-optimal model trains on at each budget."""
-    arr = np.array([[params[k] for k in ("E", "A", "B", "alpha", "beta")]])
-    return optimal_allocation(*(arr[:, i:i + 1] for i in range(5)), np.asarray(C, float),
-                              flops_k=flops.k, flops_gamma=flops.gamma)["D_opt"][0]
+def ladder_range(data: Mapping[str, SeriesPoints], below: float = 10.0, above: float = 100.0) -> tuple[float, float]:
+    """The sizes a projection may choose from: ``[N_min / below, N_max * above]`` of the ladder."""
+    n = np.concatenate([p.N for p in data.values()])
+    return float(n.min() / below), float(n.max() * above)
 
 
 def projected_differences(point: JointFit, boot: JointBootstrap, reference: str, compared: Sequence[str],
-                          budgets: Sequence[float], flops: FlopsPerToken, confidence: float) -> list[dict]:
+                          budgets: Sequence[float], flops: FlopsPerToken, confidence: float,
+                          n_range: tuple[float, float]) -> list[dict]:
     """Delta(C) = L*_v(C) - L*_ref(C) at each budget, with a percentile interval and a two-sided
     p-value from the paired replicates' standard error (Holm adjustment is the caller's, across every
     comparison it decides)."""
     C = np.asarray(budgets, dtype=float)
-    ref_point = optimal_loss(point.params[reference], C, flops)
-    ref_boot = optimal_loss(boot.samples[reference], C, flops)
+    ref_opt = optimal_point(point.params[reference], C, flops, n_range)
+    ref_point, ref_boot = ref_opt["loss"][0], optimal_point(boot.samples[reference], C, flops, n_range)["loss"]
     lo_q, hi_q = (1 - confidence) / 2, 1 - (1 - confidence) / 2
     rows = []
     for v in compared:
-        delta = optimal_loss(point.params[v], C, flops) - ref_point
-        reps = optimal_loss(boot.samples[v], C, flops) - ref_boot  # (n, m)
+        opt = optimal_point(point.params[v], C, flops, n_range)
+        delta = opt["loss"][0] - ref_point
+        reps = optimal_point(boot.samples[v], C, flops, n_range)["loss"] - ref_boot  # (n, m)
         ok = np.isfinite(reps)
         for j, c in enumerate(C):
             col = reps[ok[:, j], j]
             lo, hi = (np.quantile(col, [lo_q, hi_q]) if len(col) else (np.nan, np.nan))
             rows.append({"variant": v, "reference": reference, "compute_budget": float(c), "delta": float(delta[j]),
                          "ci_low": float(lo), "ci_high": float(hi), "p_value": normal_pvalue(delta[j], col),
-                         "n_replicates": int(len(col))})
+                         "n_replicates": int(len(col)), "D_opt_variant": float(opt["D_opt"][0, j]),
+                         "D_opt_reference": float(ref_opt["D_opt"][0, j]), "N_opt_variant": float(opt["N_opt"][0, j]),
+                         "optimum_at_edge": bool(opt["at_edge"][0, j] or ref_opt["at_edge"][0, j])})
     return rows

@@ -472,3 +472,39 @@ def _run_compute(sub: pl.DataFrame) -> np.ndarray:
     if "C" in sub.columns and np.isfinite(sub["C"].to_numpy()).all():
         return sub["C"].to_numpy()
     return 6.0 * sub["N"].to_numpy() * sub["D"].to_numpy()
+
+
+def write_decision_plots(rows: Sequence[dict], plots_dir: str | Path) -> list[Path]:
+    """``decisions_<series>.png`` per compared series: Delta against its reference on the whole
+    validation split, observed (each budget's best runs, document-bootstrap interval) and projected
+    (joint fit, run-bootstrap interval), against compute; below zero the series is better."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(plots_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    whole = [r for r in rows if r.get("target") == "val" and r.get("comparison") in ("best", "compute_optimal")]
+    for name in sorted({r["variant"] for r in whole}):
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for kind, marker, color in (("observed", "o", "tab:blue"), ("projected", "s", "tab:orange")):
+            sub = sorted((r for r in whole if r["variant"] == name and r["kind"] == kind), key=lambda r: r["budget"])
+            if not sub:
+                continue
+            x = np.array([r["budget"] for r in sub], dtype=float)
+            y = np.array([r["delta"] for r in sub], dtype=float)
+            lo = np.array([r["ci_low"] for r in sub], dtype=float)
+            hi = np.array([r["ci_high"] for r in sub], dtype=float)
+            unit = sub[0].get("budget_kind", "flops")
+            ax.plot(x, y, marker=marker, color=color, label=f"{kind} ({'tokens' if unit == 'tokens' else 'FLOPs'})")
+            ax.fill_between(x, lo, hi, color=color, alpha=0.2)
+        ax.axhline(0.0, color="k", lw=0.8)
+        ref = whole[0]["reference"]
+        ax.set(xscale="log", xlabel="budget", ylabel=f"Delta loss vs {ref} (nats; < 0: better)",
+               title=f"{name} vs {ref}: paired difference on the validation split, 95% bands")
+        ax.legend(fontsize=7)
+        written.append(_save(fig, out / f"decisions_{_file_safe(name)}.png"))
+        plt.close(fig)
+    return written

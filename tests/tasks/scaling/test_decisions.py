@@ -150,12 +150,12 @@ def test_report_end_to_end_on_a_synthetic_ladder():
     cfg = DecisionConfig(n_bootstrap=200, fit_bootstrap=40, nested_bootstrap=20, grid_steps=25)
     out = decision_report(runs, docs, cfg, flops=FlopsPerToken(), unique_tokens={"raw": 1e9, "x": 1e6, "y": 1e9})
     projected = [r for r in out["rows"] if r["kind"] == "projected"]
-    assert {r["compute_budget"] for r in projected} == {9e10, 3e11}
+    assert {r["budget"] for r in projected} == {9e10, 3e11}
     assert {r["variant"]: r["decision"] for r in projected} == {"x": "better", "y": "worse"}
     assert all(r["repeats_data"] and "x: D*" in r["repeats_data"] for r in projected if r["variant"] == "x")
     assert set(out["nested"]) == {"x", "y"}
     bt = out["backtest"]
-    assert bt["held_out_budget"] == 3e10 and {p["variant"] for p in bt["pairs"]} == {"x", "y"}
+    assert bt["held_out_budget"] == 3e10 and bt["budget_kind"] == "flops" and {p["variant"] for p in bt["pairs"]} == {"x", "y"}
     assert bt["sign_agreement"] == 1.0
     agree = out["ranking_agreement"]["per_budget"]
     assert [a["accuracy"] for a in agree] == [1.0, 1.0, 1.0]
@@ -173,9 +173,9 @@ def test_backtest_coverage_on_known_noise():
         runs = runs.with_columns(pl.Series("loss", loss))
         top = runs.filter(pl.col("compute_budget") == 3e10)
         best = {v: top.filter(pl.col("variant") == v)["loss"].min() for v in ("raw", "x")}
-        observed = [{"variant": "x", "comparison": "best", "target": "val", "compute_budget": 3e10,
+        observed = [{"variant": "x", "comparison": "best", "target": "val", "budget": 3e10,
                      "delta": best["x"] - best["raw"], "ci_low": np.nan, "ci_high": np.nan}]
-        bt = backtest_decisions(runs, observed, "raw", ["x"], FlopsPerToken(), n_bootstrap=60, confidence=0.95,
+        bt = backtest_decisions(runs, observed, "raw", ["x"], n_bootstrap=60, confidence=0.95,
                                 seed=rep, grid=ExponentGrid(steps=25), shared=("alpha", "beta"))
         covered.append(bt["pairs"][0]["covered"])
         assert bt["pairs"][0]["sign_right"]

@@ -98,7 +98,7 @@ def test_projection_interval_is_paired_and_signs_a_clear_gap():
     grid = ExponentGrid(steps=30)
     fit = fit_joint(data, grid=grid)
     boot = bootstrap_joint(data, fit, n_bootstrap=60, seed=0, grid=grid)
-    rows = projected_differences(fit, boot, "raw", ["better"], [1e13, 1e14], FlopsPerToken(), 0.95)
+    rows = projected_differences(fit, boot, "raw", ["better"], [1e13, 1e14], FlopsPerToken(), 0.95, (1e3, 1e7))
     for r in rows:
         assert r["ci_high"] < 0 and r["ci_low"] <= r["delta"] <= r["ci_high"]
         assert r["delta"] == pytest.approx(-0.1, abs=0.02)
@@ -107,3 +107,19 @@ def test_projection_interval_is_paired_and_signs_a_clear_gap():
 def test_unknown_own_series_is_named():
     with pytest.raises(ValueError, match="own: 'nope'"):
         fit_joint(series(SHARED), own=["nope"])
+
+
+def test_optimal_point_matches_the_closed_form_inside_the_range():
+    from tasks.scaling.compute_optimal import optimal_allocation
+    from tasks.scaling.joint import optimal_point
+
+    p = {"E": 2.0, "A": 60.0, "B": 300.0, "alpha": 0.4, "beta": 0.35}
+    C = np.array([1e12, 1e14])
+    closed = optimal_allocation(*(p[k] for k in ("E", "A", "B", "alpha", "beta")), C)
+    num = optimal_point(p, C, FlopsPerToken(), (1e2, 1e9), n_grid=4096)
+    np.testing.assert_allclose(num["loss"][0], closed["loss_pred"], rtol=1e-6)
+    np.testing.assert_allclose(num["N_opt"][0], closed["N_opt"], rtol=0.01)
+    assert not num["at_edge"].any()
+    # A = 0: no closed form; the numerical optimum is the largest-D (smallest-N) end, flagged
+    degenerate = optimal_point(dict(p, A=0.0), C, FlopsPerToken(), (1e2, 1e9))
+    assert np.isfinite(degenerate["loss"]).all() and degenerate["at_edge"].all()
