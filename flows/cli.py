@@ -314,9 +314,53 @@ def _fit(args: argparse.Namespace, root: Path) -> int:
     cfg = load_stage_config(FitConfig, root, "fit", preset)
     points = read_points(args.points)
     report = fit_points(points, cfg)
-    for path in write_fit_report(report, points, args.out):
+    rows = joint_decisions(points, cfg, report)
+    paths = write_fit_report(report, points, args.out)
+    if rows is not None:
+        from flows.fit import DECISION_COLUMNS
+        from tasks.common.io import write_csv
+        from tasks.scaling.report import write_decision_plots
+
+        paths.append(write_csv(args.out / "decisions.csv", pl_frame(rows, DECISION_COLUMNS)))
+        paths += write_decision_plots(rows, args.out)
+    for path in paths:
         print(path)
     return 0
+
+
+def pl_frame(rows: list[dict], columns: tuple[str, ...]):
+    import polars as pl
+
+    if not rows:
+        return pl.DataFrame(schema=dict.fromkeys(columns, pl.String))
+    return pl.DataFrame([{c: r.get(c) for c in columns} for r in rows], infer_schema_length=None)
+
+
+def joint_decisions(points, cfg, report: dict) -> list[dict] | None:
+    """With a ``variant`` column of several series: the joint shared-exponent fit, the nested test
+    and projected Delta against ``fit.decisions.reference`` (else the first series by name) into
+    ``report["decisions"]``; returns the decision rows (None for a single series)."""
+    import dataclasses
+
+    import polars as pl
+
+    from tasks.scaling.compute_optimal import fit_flops_per_token
+    from tasks.scaling.decisions import decision_report
+
+    if "variant" not in points.columns or points["variant"].n_unique() < 2:
+        return None
+    if "C" not in points.columns:
+        points = points.with_columns((6.0 * pl.col("N") * pl.col("D")).alias("C"))
+    names = sorted(points["variant"].cast(pl.String).unique().to_list())
+    reference = cfg.decisions.reference if cfg.decisions.reference in names else names[0]
+    dcfg = dataclasses.replace(cfg.decisions, reference=reference,
+                               compared=tuple(v for v in cfg.decisions.compared if v in names and v != reference))
+    ref = points.filter(pl.col("variant") == reference)
+    flops = fit_flops_per_token(ref["N"].to_numpy(), ref["D"].to_numpy(), ref["C"].to_numpy())
+    out = decision_report(points.with_columns(pl.col("variant").cast(pl.String)), None, dcfg, flops=flops)
+    rows = out.pop("rows")
+    report["decisions"] = out
+    return rows
 
 
 def _microbench(args: argparse.Namespace) -> int:

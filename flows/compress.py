@@ -222,7 +222,7 @@ def compress_flow(
     ctx = stage_context(root, preset, workdir, runner, parent_run_id)
     cfg = ctx.config(CompressionConfig, "compression")
     with stage_run(ctx, "compress", cfg) as run, atomic_dir(ctx.layout.compressed) as out:
-        models = trained_models(ctx, cfg.models)
+        models = trained_models(ctx, cfg.models, cfg.variants, key="compression.variants")
         data = model_datasets(ctx, models)
         # Pretrained models first, one job per setting (each ~100x a ladder model; the model loads from
         # its cache after the first job, tasks.common.models), the ladder's short jobs after them.

@@ -311,7 +311,7 @@ def evaluate_flow(
     cfg = ctx.config(EvaluateConfig, "evaluate")
     t0 = time.perf_counter()
     with stage_run(ctx, "evaluate", cfg) as run:
-        models = trained_models(ctx, cfg.models)
+        models = trained_models(ctx, cfg.models, cfg.variants, key="evaluate.variants")
         limit = max(cfg.limit, cfg.smollm2.limit if cfg.smollm2.enabled else 0)
         requests = {t: load_requests(t, shots=cfg.shots, limit=limit) for t in cfg.tasks}
         chosen = top_runs(models, cfg.variant_top)

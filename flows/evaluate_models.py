@@ -9,12 +9,21 @@ import polars as pl
 from flows.runtime import Context
 
 
-def trained_models(ctx: Context, names: tuple[str, ...] = ()) -> list[dict]:
-    """Rows of reports/train.csv (variant, run, n_params, tokens, val_loss, model_dir), optionally by run name."""
+def trained_models(ctx: Context, names: tuple[str, ...] = (), variants: tuple[str, ...] = (),
+                   key: str = "variants") -> list[dict]:
+    """Rows of reports/train.csv (variant, run, n_params, tokens, val_loss, model_dir), optionally by
+    run name and by series (``variants``: the stage's ``<key>``, e.g. ``compression.variants``; empty
+    = every trained series)."""
     table = ctx.layout.reports / "train.csv"
     if not table.exists():
         raise FileNotFoundError(f"{table}: no trained models; run `scalelab run train` first")
     rows = [r for r in pl.read_csv(table).to_dicts() if not r.get("diverged")]  # a diverged run has no model
+    if variants:
+        trained = sorted({r["variant"] for r in rows})
+        unknown = [v for v in variants if v not in trained]
+        if unknown:
+            raise ValueError(f"{key} names {unknown[0]!r}, not a trained series of {table} ({trained})")
+        rows = [r for r in rows if r["variant"] in variants]
     if names:
         known = {r["run"] for r in rows}
         missing = [n for n in names if n not in known]

@@ -165,7 +165,7 @@ def prune_flow(
     ctx = stage_context(root, preset, workdir, runner, parent_run_id)
     cfg = ctx.config(PruningConfig, "pruning")
     with stage_run(ctx, "prune", cfg) as run, atomic_dir(ctx.layout.pruned) as out:
-        models = trained_models(ctx, cfg.models)
+        models = trained_models(ctx, cfg.models, cfg.variants, key="pruning.variants")
         if not cfg.models and cfg.largest_only:
             models = largest_per_variant(models)
         kept = saved_ladder_models(models, cfg.save.ladder)

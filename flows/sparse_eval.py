@@ -114,7 +114,7 @@ def sparse_eval_flow(
     ctx = stage_context(root, preset, workdir, runner, parent_run_id)
     cfg = ctx.config(SparseEvalConfig, "sparse_eval")
     with stage_run(ctx, "sparse_eval", cfg) as run:
-        models = trained_models(ctx, cfg.models)
+        models = trained_models(ctx, cfg.models, cfg.variants, key="sparse_eval.variants")
         data = model_datasets(ctx, models)
         jobs = [
             dict(model_row=m | {"val_path": str(val_tokens_path(ctx)), "train_path": str(tokens_path(ctx, m)),

@@ -161,6 +161,8 @@ class PruningConfig:
     settings: dict[str, dict[str, Any]]
     enabled: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
+    # trained series whose models this stage works on (e.g. [raw, dedup_gopher]); empty = every trained series
+    variants: tuple[str, ...] = ()
     largest_only: bool = True
     calib_tokens: int = 4096
     eval_tokens: int = 32768

@@ -293,6 +293,8 @@ class CompressionConfig:
     settings: dict[str, dict[str, Any]]
     enabled: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
+    # trained series whose models this stage works on (e.g. [raw, dedup_gopher]); empty = every trained series
+    variants: tuple[str, ...] = ()
     eval_tokens: int = 65536
     seq_len: int | None = None
     batch_size: int = 16

@@ -862,6 +862,8 @@ class EvaluateConfig:
     shots: int = 0
     limit: int = 200
     models: tuple[str, ...] = ()
+    # trained series whose models this stage works on (e.g. [raw, dedup_gopher]); empty = every trained series
+    variants: tuple[str, ...] = ()
     compressed: bool = True
     pruned: bool = True
     sparse: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -193,6 +193,8 @@ class SparseEvalConfig:
     settings: dict[str, dict[str, Any]]
     enabled: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
+    # trained series whose models this stage works on (e.g. [raw, dedup_gopher]); empty = every trained series
+    variants: tuple[str, ...] = ()
     eval_tokens: int = 65536
     calib_tokens: int = 16384
     seq_len: int | None = None

@@ -29,6 +29,31 @@ def test_fit_command_writes_fits(tmp_path: Path):
     assert (tmp_path / "out" / "fits.json").exists()
 
 
+def test_fit_command_with_a_variant_column_also_fits_jointly(tmp_path: Path):
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    n = np.repeat([1e6, 3e6, 1e7, 3e7], 4)
+    d = np.tile([2e7, 6e7, 2e8, 6e8], 4)
+    frames = []
+    for name, e in (("raw", 1.7), ("filtered", 1.6)):  # the same shape, E lower by 0.1
+        loss = e + 400 / n**0.34 + 410 / d**0.28 + rng.normal(0, 0.002, n.size)
+        frames.append(pl.DataFrame({"variant": name, "N": n, "D": d, "loss": loss}))
+    pl.concat(frames).write_csv(tmp_path / "points.csv")
+    out = tmp_path / "out"
+    assert main(["fit", "--points", str(tmp_path / "points.csv"), "--out", str(out), "--root", str(ROOT),
+                 "--preset", "ci"]) == 0
+    fits = json.loads((out / "fits.json").read_text())
+    joint = fits["decisions"]["joint"]["params"]
+    assert joint["raw"]["alpha"] == joint["filtered"]["alpha"]
+    assert joint["filtered"]["E"] - joint["raw"]["E"] == pytest.approx(-0.1, abs=0.03)
+    rows = pl.read_csv(out / "decisions.csv")
+    assert set(rows["kind"]) == {"projected"} and set(rows["decision"]) == {"better"}
+    assert (out / "decisions_filtered.png").exists()
+
+
 def test_fit_command_names_a_missing_column(tmp_path: Path, capsys):
     pl.DataFrame({"N": [1.0], "loss": [2.0]}).write_csv(tmp_path / "p.csv")
     assert main(["fit", "--points", str(tmp_path / "p.csv"), "--out", str(tmp_path / "o"), "--root", str(ROOT), "--preset", "ci"]) != 0
