@@ -780,9 +780,31 @@ def stage_metrics(stage: str, reports: Reports) -> dict[str, dict[str, Any]]:
                     row[p] = _num(e[p]["value"])
                     row[f"{p}_lo"], row[f"{p}_hi"] = _num(e[p].get("ci_low")), _num(e[p].get("ci_high"))
             row["best_val_loss"] = _num(best.get(name, {}).get("val_loss"))
-            out[name] = _drop_none(row)
+            out[name] = _drop_none(row | decision_metrics(reports, name))
         return out
     return {}
+
+
+def decision_metrics(reports: Reports, name: str) -> dict[str, Any]:
+    """A series' paired Delta against the reference on the whole split, for ``dvc metrics show``:
+    observed at the largest budget (``delta``, ``delta_lo``, ``delta_hi``, ``decision``) and at each
+    projected budget (``delta_<C>``...)."""
+    table = reports.table("decisions.csv")
+    if table is None or not table.height:
+        return {}
+    mine = table.filter((pl.col("variant") == name) & (pl.col("target") == "val")
+                        & pl.col("comparison").is_in(["best", "compute_optimal"]))
+    out: dict[str, Any] = {}
+    observed = mine.filter(pl.col("kind") == "observed").sort("budget")
+    if observed.height:
+        r = observed.row(-1, named=True)
+        out |= {"delta": _num(r["delta"]), "delta_lo": _num(r["ci_low"]), "delta_hi": _num(r["ci_high"]),
+                "decision": r["decision"]}
+    for r in mine.filter(pl.col("kind") == "projected").iter_rows(named=True):
+        tag = f"{float(r['budget']):.0e}".replace("+", "")
+        out |= {f"delta_{tag}": _num(r["delta"]), f"delta_{tag}_lo": _num(r["ci_low"]),
+                f"delta_{tag}_hi": _num(r["ci_high"]), f"decision_{tag}": r["decision"]}
+    return out
 
 
 def _metric_file(name: str) -> str:
