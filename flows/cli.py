@@ -5,6 +5,7 @@
     scalelab curate --input docs.jsonl --out out/ --recipe dedup_gopher_c4
     scalelab curate --input new/*.jsonl --out out2/ --recipe dedup_gopher_c4 --index idx/ --index-update
     scalelab fit --points points.csv --out fits/
+    scalelab validate [--preset demo]       # pre-registered Delta beyond the ladder, then trained and scored
     scalelab eval tasks --model smollm2 --tasks arc_easy,piqa --limit 50 --out eval/
     scalelab microbench --matrix correctness.csv --sizes 10,25,50,100,250 --out mb/
     scalelab select --preset ci             # DDCF fine-tuning data selection -> reports/ddcf.csv
@@ -97,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--points", required=True, type=Path)
     fit.add_argument("--out", required=True, type=Path)
     _common(fit)
+
+    val = sub.add_parser("validate", help="pre-registered check: predict Delta at a run beyond the ladder, "
+                         "then train it and report hit or miss (after a finished pipeline)")
+    val.add_argument("--workdir", help="the finished pipeline's workdir (default: --root)")
+    val.add_argument("--runner", choices=("local", "ray"), help="task runner (default: pipeline.runner)")
+    val.add_argument("--force", action="store_true", help="predict again, replacing reports/validation/"
+                     "predictions.json (by default an existing prediction is what the run is scored against)")
+    _common(val)
 
     ev = sub.add_parser("eval", help="downstream tasks (OLMo's rc suite) on any local causal LM")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
@@ -205,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             return _curate(args, root)
         if args.command == "fit":
             return _fit(args, root)
+        if args.command == "validate":
+            return _validate(args, root)
         if args.command == "eval":
             from flows.evaluate import eval_tasks_command
 
@@ -236,6 +247,17 @@ def _params_problems(root: Path, preset: str | None) -> list[str]:
         return check_preset(root, preset or default_preset(root))
     except ConfigError as exc:  # params/pipeline.yaml itself names no valid preset
         return [str(exc)]
+
+
+def _validate(args: argparse.Namespace, root: Path) -> int:
+    from flows.runtime import claim_workdir, make_context
+    from flows.validate import validate_flow
+
+    ctx = make_context(root, preset=args.preset, workdir=args.workdir, runner=args.runner)
+    with claim_workdir(ctx):
+        table = validate_flow(root=str(ctx.root), preset=ctx.preset, workdir=str(ctx.workdir),
+                              runner=ctx.pipeline.runner, force=args.force)
+    return 0 if table else 1
 
 
 def _run(args: argparse.Namespace, root: Path) -> int:

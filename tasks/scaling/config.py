@@ -64,6 +64,24 @@ class DecisionConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ValidationConfig:
+    """The pre-registered run beyond the ladder (``scalelab validate``): a model of this shape trained
+    on ``budget_multiple`` x the ladder's largest budget (``fit.validation``)."""
+
+    d_model: int = 96
+    n_layers: int = 4
+    n_heads: int = 4
+    budget_multiple: float = 3.0
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_layers", "n_heads"):
+            require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        require(self.d_model % self.n_heads == 0, "n_heads", f"must divide d_model {self.d_model}, got {self.n_heads}")
+        require(self.budget_multiple > 1 and math.isfinite(self.budget_multiple), "budget_multiple",
+                f"must be > 1 (a run beyond the ladder), got {self.budget_multiple}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class FitConfig:
     """Approach-3 (Hoffmann et al. 2022; Epoch AI's replication) and IsoFLOP fit settings.
 
@@ -170,6 +188,8 @@ class FitConfig:
     reversal_confidence: float = 0.95
     # Paired decisions (observed and projected Delta against a reference series).
     decisions: DecisionConfig = field(default_factory=DecisionConfig)
+    # The pre-registered check at larger scale (flows/validate.py).
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     def __post_init__(self) -> None:
         require(self.huber_delta > 0, "huber_delta", f"must be > 0, got {self.huber_delta}")

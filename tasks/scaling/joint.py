@@ -478,3 +478,25 @@ def projected_differences(point: JointFit, boot: JointBootstrap, reference: str,
                          "D_opt_reference": float(ref_opt["D_opt"][0, j]), "N_opt_variant": float(opt["N_opt"][0, j]),
                          "optimum_at_edge": bool(opt["at_edge"][0, j] or ref_opt["at_edge"][0, j])})
     return rows
+
+
+def point_differences(point: JointFit, boot: JointBootstrap, reference: str, compared: Sequence[str],
+                      N: float, D: float, confidence: float) -> list[dict]:
+    """Predicted Delta = L_v(N, D) - L_ref(N, D) at one (N, D) off the ladder, with a percentile
+    interval over the paired bootstrap: the prediction a pre-registered run is checked against."""
+    def law(p: np.ndarray) -> np.ndarray:
+        with np.errstate(all="ignore"):
+            return p[:, 0] + p[:, 1] / N ** p[:, 3] + p[:, 2] / D ** p[:, 4]
+
+    lo_q = (1 - confidence) / 2
+    ref_boot = law(boot.samples[reference])
+    rows = []
+    for v in compared:
+        reps = law(boot.samples[v]) - ref_boot
+        reps = reps[np.isfinite(reps)]
+        lo, hi = np.quantile(reps, [lo_q, 1 - lo_q]) if len(reps) else (np.nan, np.nan)
+        rows.append({"variant": v, "reference": reference, "N": float(N), "D": float(D),
+                     "predicted_loss": float(point.loss(v, N, D)), "predicted_reference_loss": float(point.loss(reference, N, D)),
+                     "delta": float(point.loss(v, N, D) - point.loss(reference, N, D)),
+                     "ci_low": float(lo), "ci_high": float(hi), "n_replicates": int(len(reps))})
+    return rows
