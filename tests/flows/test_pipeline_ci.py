@@ -132,6 +132,30 @@ def test_fits_json_has_a_law_per_variant(ci_run):
         assert isinstance(variants[v]["identified"], bool) and "backtest" in variants[v]["diagnostics"]
 
 
+def test_decisions_pair_every_series_with_raw(ci_run):
+    """The fit stage decides on paired differences: dedup_gopher (a data intervention) and raw+repb
+    (a training method) against raw, observed at every token budget with document intervals, per
+    source and on downstream bpb, projected beyond the ladder; summary.md opens with them."""
+    workdir, _ = ci_run
+    reports = workdir / "reports"
+    rows = pl.read_csv(reports / "decisions.csv")
+    assert set(rows["variant"]) == {"dedup_gopher", "raw+repb"} and set(rows["reference"]) == {"raw"}
+    best = rows.filter((pl.col("kind") == "observed") & (pl.col("comparison") == "best") & (pl.col("target") == "val"))
+    assert best.height == 2 * 3  # two series x three token budgets
+    assert ((best["ci_low"] <= best["delta"]) & (best["delta"] <= best["ci_high"])).all()
+    assert set(rows["decision"]) <= {"better", "worse", "undecided"}
+    assert {"val", "downstream_bpb"} <= set(rows["target"]) and any(t.startswith("val:") for t in rows["target"])
+    projected = rows.filter(pl.col("kind") == "projected")
+    top = pl.read_csv(reports / "train.csv")["flops_total"].max()
+    assert projected.height == 2 * 2 and set(projected["budget"].round(-3)) == {round(3 * top, -3), round(10 * top, -3)}
+    decisions = json.loads((reports / "fits.json").read_text())["decisions"]
+    assert set(decisions["nested"]) == {"dedup_gopher", "raw+repb"}
+    assert decisions["backtest"]["pairs"] and decisions["sigma_seed"]["dof"] >= 1  # the ci preset's second seed
+    summary = (reports / "summary.md").read_text()
+    assert summary.index("## Decisions") < summary.index("## Scaling laws")
+    assert "dedup_gopher vs raw:" in summary and "raw+repb vs raw:" in summary
+
+
 def test_mlflow_has_finished_runs_for_all_stages(ci_run):
     _, result = ci_run
     _, _, runs = pipeline_runs(ci_run)
