@@ -28,11 +28,11 @@ from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.io import atomic_dir
 from tasks.common.lineage import DataRef, data_ref, log_datasets, log_model_ref
+from tasks.common.registry import MethodSpec
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.compression.registry import (
     CompressedModel,
     CompressionConfig,
-    MethodSpec,
     compress,
     model_from_tensors,
     save_compressed,

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from tasks.common.config import require
-from tasks.compression.registry import PRETRAINED_MODELS, MethodRegistry, MethodSpec, RegisteredMethod
+from tasks.common.registry import MethodRegistry, MethodSpec, RegisteredMethod
+from tasks.compression.registry import PRETRAINED_MODELS
 
 SiteFn = Callable[[torch.Tensor], torch.Tensor]
 """Maps a module's input (..., d) to its sparsified version (same shape and dtype)."""
