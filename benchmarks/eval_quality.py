@@ -131,7 +131,7 @@ def markdown_table(rows: list[dict], confidence: float) -> str:
 
 def main() -> int:
     from tasks.common.models import load_causal_lm
-    from tasks.training.loop import set_process_threads
+    from tasks.common.parallel import set_process_threads
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")

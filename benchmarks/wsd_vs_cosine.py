@@ -25,7 +25,8 @@ from tasks.common.params import load_stage_config  # noqa: E402
 from tasks.curation.prepare import PrepareConfig, prepare_corpus  # noqa: E402
 from tasks.training.config import ModelShape, TrainingConfig  # noqa: E402
 from tasks.training.design import ladder  # noqa: E402
-from tasks.training.loop import set_process_threads, train_model, train_size_wsd  # noqa: E402
+from tasks.common.parallel import set_process_threads  # noqa: E402
+from tasks.training.loop import train_model, train_size_wsd  # noqa: E402
 from tasks.training.tokenizer import encode_corpus, train_tokenizer  # noqa: E402
 
 SHAPES = {8: (1, 2), 16: (1, 2), 32: (2, 2), 48: (2, 4), 64: (3, 4)}

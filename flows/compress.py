@@ -28,17 +28,18 @@ from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.io import atomic_dir
 from tasks.common.lineage import DataRef, data_ref, log_datasets, log_model_ref
+from tasks.common.parallel import set_process_threads
+from tasks.common.registry import MethodSpec
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.compression.registry import (
     CompressedModel,
     CompressionConfig,
-    MethodSpec,
     compress,
     model_from_tensors,
     save_compressed,
 )
 from tasks.evaluation.loss import evaluate_loss, perplexity
-from tasks.training.loop import load_model, set_process_threads
+from tasks.training.loop import load_model
 from tasks.training.model import resolve_llama_classes
 from tasks.training.tokenizer import load_tokens
 

@@ -91,8 +91,8 @@ def evaluate_ladder_model(model_row: dict, artifacts: list[dict], with_sparse: b
                           pruned: list[dict] = ()) -> tuple[list[dict], list[dict]]:
     """One trained model, its compressed artifacts, its pruned models and its sparse settings."""
     from tasks.common.models import load_causal_lm
+    from tasks.common.parallel import set_process_threads
     from tasks.sparse.registry import sparsify
-    from tasks.training.loop import set_process_threads
     from tasks.training.tokenizer import load_tokens
 
     set_process_threads(cfg.num_threads)
@@ -149,9 +149,9 @@ def evaluate_smollm2(cfg: EvaluateConfig, requests: dict[str, TaskRequests], val
     (``pruning.save.pretrained``), then those of ``evaluate.smollm2`` made here in process with the
     same registries."""
     from tasks.common.models import load_causal_lm
+    from tasks.common.parallel import set_process_threads
     from tasks.compression.registry import compress, load_compressed_model, parse_settings
     from tasks.sparse.registry import SPARSIFIERS, sparsify
-    from tasks.training.loop import set_process_threads
 
     set_process_threads(cfg.num_threads)
     sc = cfg.smollm2
@@ -423,9 +423,9 @@ def eval_tasks_command(args: Any, root: Path) -> int:
     """
     from tasks.common.io import write_csv
     from tasks.common.models import load_causal_lm
+    from tasks.common.parallel import set_process_threads
     from tasks.common.params import default_preset, load_stage_config
     from tasks.evaluation.downstream import check_task_names
-    from tasks.training.loop import set_process_threads
 
     tasks = check_task_names([t.strip() for t in args.tasks.split(",") if t.strip()])
     if not tasks:

@@ -32,11 +32,12 @@ from flows.runtime import map_tasks
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.io import atomic_dir
 from tasks.common.lineage import log_datasets, log_model_ref
+from tasks.common.parallel import set_process_threads
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.compression.pruning import (
     PruneTables, PruningConfig, RecoveryConfig, SaveConfig, largest_per_variant, plot_recovery_curves, prune_rows,
 )
-from tasks.training.loop import load_model, set_process_threads
+from tasks.training.loop import load_model
 from tasks.training.tokenizer import load_tokens
 
 

@@ -26,12 +26,13 @@ from flows.runtime import map_tasks
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.lineage import log_datasets
+from tasks.common.parallel import set_process_threads
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.evaluation.loss import evaluate_loss, perplexity
 from tasks.sparse.registry import SparseEvalConfig, sparsify
 from tasks.sparse.retrieval import RetrievalConfig, build_retrieval_set, retrieval_accuracy, score_retrieval
 from tasks.sparse.speed import measured_speedup
-from tasks.training.loop import load_model, set_process_threads
+from tasks.training.loop import load_model
 from tasks.training.tokenizer import load_tokens
 
 

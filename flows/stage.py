@@ -20,7 +20,7 @@ import polars as pl
 from flows.runtime import Context, claim_workdir, make_context
 from tasks.common.config import to_dict
 from tasks.common.io import write_csv
-from tasks.common.lineage import source_tags
+from tasks.common.provenance import source_tags
 from tasks.common.tracking import REPLACES, TrackedRun, tracked_run
 
 log = logging.getLogger("scalelab")

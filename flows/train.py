@@ -29,9 +29,10 @@ from flows.runtime import Context, config_hash, map_tasks
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.io import read_json, write_json, write_text
 from tasks.common.lineage import DataRef, budget_label, data_ref, log_datasets, log_model_ref, register_alias
+from tasks.common.parallel import set_process_threads
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.training.config import TrainingConfig
-from tasks.training.loop import RunSpec, ladder, set_process_threads, train_model, train_size_wsd
+from tasks.training.loop import RunSpec, ladder, train_model, train_size_wsd
 from tasks.training.repb import repb_arms
 from tasks.training.tokenizer import encode_corpus, encode_corpus_segments, load_tokens, save_tokens, train_tokenizer
 

@@ -9,8 +9,7 @@ the models it produced, logged by reference.
   (``"dvc_lock": "current"``) and names the output and its hash; a lock that disagrees is reported
   ``"stale"`` and the content hash is kept. :func:`log_datasets` attaches refs to a run with a
   context (``training``, ``evaluation``, ``output``).
-* **Source.** :func:`source_tags` gives ``mlflow.source.git.commit``, ``scalelab.git.dirty`` and
-  ``scalelab.params_hash`` (sha256 of the params files the stage declares in ``dvc.yaml``).
+* **Source.** The code and params that made a run are tagged by :mod:`tasks.common.provenance`.
 * **Models.** :func:`log_model_ref` creates an MLflow 3 *logged model* whose artifacts are a pyfunc
   (``tasks/common/mlflow_model.py``) of a few kB that loads the safetensors from the workdir: the
   weights are not copied into the MLflow store. Its metrics carry the model id, so the Models tab
@@ -20,12 +19,10 @@ the models it produced, logged by reference.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -36,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tasks.common.tracking import experiment_id, mlflow_client
 
 # ---------------------------------------------------------------------------------------------
 # Content and DVC hashes
@@ -222,92 +221,16 @@ def log_datasets(run: Any, refs: Iterable[DataRef] | None, context: str, *, atte
         return
     from mlflow.exceptions import MlflowException
 
-    from tasks.common.tracking import _client
-
     datasets = [dataset_input(r, context) for r in refs]
     for attempt in range(attempts):
         try:
             with _INPUTS_LOCK:
-                _client(run.uri).log_inputs(run.run_id, datasets=datasets)
+                mlflow_client(run.uri).log_inputs(run.run_id, datasets=datasets)
             return
         except MlflowException as exc:
             if "UNIQUE constraint" not in str(exc) or attempt == attempts - 1:
                 raise
             time.sleep(0.2 * (attempt + 1))
-
-
-# ---------------------------------------------------------------------------------------------
-# Code and params
-
-GIT_COMMIT, GIT_DIRTY, PARAMS_HASH, PARAMS_FILES = (
-    "mlflow.source.git.commit", "scalelab.git.dirty", "scalelab.params_hash", "scalelab.params_files")
-SOURCE_TAGS = (GIT_COMMIT, GIT_DIRTY, PARAMS_HASH, PARAMS_FILES)
-
-
-@functools.lru_cache(maxsize=8)
-def git_state(repo: str) -> dict[str, str]:
-    """``{commit, dirty}`` of the git checkout at ``repo`` (``dirty``: tracked files differ from the
-    commit), or ``{}`` when it is not a checkout or git is missing. Once per process and repo."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, check=True,
-                              timeout=30).stdout.strip()
-    try:
-        commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {"commit": commit, "dirty": "true" if dirty else "false"}
-
-
-def stage_params_files(root: str | Path, stage: str) -> list[Path]:
-    """The params files ``dvc.yaml`` (in ``root``) declares for ``stage``; every ``params/*.yaml`` for
-    a stage it does not list (the pipeline's parent run) or when there is no dvc.yaml."""
-    root = Path(root)
-    dvc_yaml = root / "dvc.yaml"
-    if dvc_yaml.exists():
-        try:
-            stages = (yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages") or {}
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{dvc_yaml}: not valid YAML ({exc})") from None
-        declared = (stages.get(stage) or {}).get("params") or []
-        files = []
-        for entry in declared:
-            names = list(entry) if isinstance(entry, dict) else [] if ":" not in str(entry) else [str(entry).split(":")[0]]
-            files += [root / n for n in names]
-        if files:
-            return sorted(set(files))
-    return sorted((root / "params").glob("*.yaml"))
-
-
-def params_hash(files: Iterable[Path]) -> str:
-    """sha256 (16 hex digits) over the files' names and bytes; a missing file raises naming it."""
-    h = hashlib.sha256()
-    for f in sorted(Path(p) for p in files):
-        if not f.exists():
-            raise FileNotFoundError(f"{f}: params file declared for this stage does not exist")
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
-
-
-def code_repo() -> Path:
-    """The checkout scalelab's code runs from (the folder holding ``tasks/``)."""
-    return Path(__file__).resolve().parents[2]
-
-
-def source_tags(root: str | Path | None = None, stage: str | None = None) -> dict[str, str]:
-    """The run tags naming the code (git commit, dirty flag) and, with ``root`` and ``stage``, the
-    params files and their hash."""
-    tags = {}
-    state = git_state(str(code_repo()))
-    if state:
-        tags[GIT_COMMIT] = state["commit"]
-        tags[GIT_DIRTY] = state["dirty"]
-    if root is not None and stage is not None:
-        files = stage_params_files(root, stage)
-        tags[PARAMS_HASH] = params_hash(files)
-        tags[PARAMS_FILES] = ",".join(str(f.relative_to(Path(root))) if f.is_relative_to(Path(root)) else str(f)
-                                      for f in files)
-    return tags
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,10 +293,9 @@ def log_model_ref(
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
     from tasks.common.config import flatten
-    from tasks.common.tracking import _client, _experiment_id
 
-    client = _client(run.uri)
-    exp_id = _experiment_id(client, run.experiment, run.uri)
+    client = mlflow_client(run.uri)
+    exp_id = experiment_id(client, run.experiment, run.uri)
     model = client.create_logged_model(
         exp_id, name=model_name(name), source_run_id=run.run_id, model_type=model_type,
         tags={MODEL_KEY: key, **{f"scalelab.{k}": str(v) for k, v in loader.items() if k != "kind"}},
@@ -406,8 +328,6 @@ def link_metrics(run: Any, model_id: str, metrics: Mapping[str, float | None], *
 
     from mlflow.entities import Metric
 
-    from tasks.common.tracking import _client
-
     ts = int(time.time() * 1000)
     items = [Metric(k, float(v), ts, 0, model_id=model_id, run_id=run.run_id,
                     dataset_name=dataset.name if dataset else None,
@@ -415,14 +335,12 @@ def link_metrics(run: Any, model_id: str, metrics: Mapping[str, float | None], *
              for k, v in metrics.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
     if items:
-        _client(run.uri).log_batch(run.run_id, metrics=items)
+        mlflow_client(run.uri).log_batch(run.run_id, metrics=items)
 
 
 def find_models(uri: str, experiment: str) -> dict[str, str]:
     """``{scalelab.model_key: model_id}`` of the READY logged models of ``experiment`` (the newest per key)."""
-    from tasks.common.tracking import _client
-
-    client = _client(uri)
+    client = mlflow_client(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return {}
@@ -477,9 +395,7 @@ def register_alias(uri: str, name: str, model_id: str, alias: str, *, run_id: st
     returns the version. The registered model is created when missing."""
     from mlflow.exceptions import MlflowException
 
-    from tasks.common.tracking import _client
-
-    client = _client(uri)
+    client = mlflow_client(uri)
     try:
         client.create_registered_model(name)
     except MlflowException as exc:

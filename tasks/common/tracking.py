@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.config import flatten
+from tasks.common.provenance import SOURCE_TAGS, source_tags
 
 DEFAULT_EXPERIMENT = "scalelab"
 
@@ -66,7 +67,8 @@ def main_tree(path: Path) -> Path:
     return path
 
 
-def _client(uri: str):
+def mlflow_client(uri: str):
+    """An ``MlflowClient`` on the store at ``uri`` (synchronous logging)."""
     import mlflow
 
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
@@ -87,7 +89,8 @@ def artifact_root(uri: str) -> str | None:
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
-def _experiment_id(client, name: str, uri: str | None = None) -> str:
+def experiment_id(client, name: str, uri: str | None = None) -> str:
+    """The id of experiment ``name``, created (with :data:`EXPERIMENT_KIND`) when it does not exist."""
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         if exp.tags.get("mlflow.experimentKind") is None:  # an older store: set once, never override a user's choice
@@ -127,7 +130,7 @@ class TrackedRun:
         if not flat:
             return
         items = [Param(k, _param_value(v)) for k, v in flat.items() if v is not None]
-        client = _client(self.uri)
+        client = mlflow_client(self.uri)
         for i in range(0, len(items), 100):
             client.log_batch(self.run_id, params=items[i : i + 100])
 
@@ -141,19 +144,19 @@ class TrackedRun:
             for k, v in flatten(metrics).items()
             if v is not None and isinstance(v, (int, float)) and math.isfinite(float(v))
         ]
-        client = _client(self.uri)
+        client = mlflow_client(self.uri)
         for i in range(0, len(items), 500):
             client.log_batch(self.run_id, metrics=items[i : i + 500])
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        client = _client(self.uri)
+        client = mlflow_client(self.uri)
         for k, v in tags.items():
             client.set_tag(self.run_id, k, _param_value(v))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         path = Path(path)
         if path.exists():
-            _client(self.uri).log_artifact(self.run_id, str(path), artifact_path)
+            mlflow_client(self.uri).log_artifact(self.run_id, str(path), artifact_path)
 
 
 @dataclass(frozen=True)
@@ -260,7 +263,7 @@ class _Heartbeat:
             beat = str(int(time.time()))
             for run_id, uri in runs.items():
                 with contextlib.suppress(Exception):  # a busy store misses one beat, not the run
-                    _client(uri).set_tag(run_id, HEARTBEAT, beat)
+                    mlflow_client(uri).set_tag(run_id, HEARTBEAT, beat)
 
 
 _HEARTBEAT = _Heartbeat()
@@ -279,7 +282,7 @@ def close_orphaned_runs(
     otherwise); a run from another host is closed when its heartbeat is older than ``timeout_s`` and
     it belongs to ``workdir``. Each closed run is tagged with the reason and when it was found.
     """
-    client = _client(uri)
+    client = mlflow_client(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return []
@@ -328,15 +331,13 @@ def tracked_run(
     ``workdir`` (default: the parent's) is tagged as ``scalelab.workdir``.
 
     Every run is tagged with the code's git commit and dirty flag
-    (:func:`tasks.common.lineage.source_tags`); a child takes its parent's params hash unless
+    (:func:`tasks.common.provenance.source_tags`); a child takes its parent's params hash unless
     ``tags`` gives one. ``system_metrics``: sample CPU, memory, disk and network into
     ``system/*`` metrics every ``$SCALELAB_SYSTEM_METRICS_S`` seconds (default 10) while the run
     is open, when psutil is installed (for long runs: a stage, not a model).
     """
-    from tasks.common.lineage import SOURCE_TAGS, source_tags
-
-    client = _client(uri)
-    exp_id = _experiment_id(client, experiment, uri)
+    client = mlflow_client(uri)
+    exp_id = experiment_id(client, experiment, uri)
     all_tags = {"mlflow.runName": name, **owner_tags(), **source_tags()}
     if parent is not None:
         all_tags["mlflow.parentRunId"] = parent.run_id

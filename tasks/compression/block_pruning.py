@@ -39,8 +39,9 @@ import torch
 from torch import nn
 
 from tasks.common.config import require, to_dict
+from tasks.common.registry import MethodSpec
 from tasks.compression._calib import calibration_windows, model_seq_len
-from tasks.compression.registry import MethodSpec, register_pruner
+from tasks.compression.registry import register_pruner
 
 GRANULARITIES = ("layer", "attention", "mlp")
 ESTIMATORS = ("knn", "histogram")

@@ -36,10 +36,10 @@ from torch import nn
 from kernels.group_quant import pack_codes
 from kernels.group_quant import reference as gq
 from tasks.common.config import require, to_dict
+from tasks.common.registry import MethodSpec
 from tasks.compression._calib import by_block, calibration_windows, input_statistics, model_seq_len, quantized_linears
 from tasks.compression.registry import (
     CompressedModel,
-    MethodSpec,
     base_fingerprint,
     diagnostic,
     register_dequantizer,

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.common.config import require, to_dict
+from tasks.common.registry import MethodSpec
 from tasks.compression._calib import calibration_windows, model_seq_len
 from tasks.compression.block_pruning import (
     BlockScores,
@@ -66,7 +67,7 @@ from tasks.compression.block_pruning import (
     remove_blocks,
     select_blocks,
 )
-from tasks.compression.registry import MethodSpec, register_pruner
+from tasks.compression.registry import register_pruner
 
 ACCUMULATIONS = ("squared", "abs")
 MERGE_DIRECTIONS = ("previous", "next")

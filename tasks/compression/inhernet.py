@@ -67,8 +67,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.common.config import require, to_dict
+from tasks.common.registry import MethodSpec
 from tasks.compression.block_pruning import decoder_layers, n_params
-from tasks.compression.registry import MethodSpec, register_pruner
+from tasks.compression.registry import register_pruner
 
 ALLOCATIONS = ("uniform", "spectrum")
 SIGMA_SPLITS = ("up", "sqrt")

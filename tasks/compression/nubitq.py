@@ -56,10 +56,10 @@ from torch import nn
 from kernels.group_quant import pack_codes, packed_cols, unpack_codes
 from kernels.group_quant.reference import n_groups
 from tasks.common.config import require, to_dict
+from tasks.common.registry import MethodSpec
 from tasks.compression._calib import calibration_windows, decoder_blocks, model_seq_len, quantized_linears
 from tasks.compression.registry import (
     CompressedModel,
-    MethodSpec,
     base_fingerprint,
     diagnostic,
     register_dequantizer,

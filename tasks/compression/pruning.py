@@ -33,9 +33,10 @@ from torch import nn
 
 from tasks.common.config import require, to_dict
 from tasks.common.patterns import matches_any
+from tasks.common.registry import MethodSpec
 from tasks.compression.distill import LOSSES, DistillConfig, recover, token_windows
 from tasks.compression.paser import PaserConfig, paser_select, random_select, sample_degradation
-from tasks.compression.registry import PRUNERS, MethodSpec
+from tasks.compression.registry import PRUNERS
 from tasks.evaluation.loss import evaluate_loss, perplexity
 
 # The recovery losses a params file may name: (distill loss, CSD weighting).

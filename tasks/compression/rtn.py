@@ -28,10 +28,10 @@ from torch import nn
 from kernels.group_quant import dequantize, pack_codes, packed_cols, quantize, unpack_codes
 from tasks.common.config import require, to_dict
 from tasks.common.patterns import matches_any
+from tasks.common.registry import MethodSpec
 from kernels.group_quant.reference import FP16_MIN_NORMAL, n_groups
 from tasks.compression.registry import (
     CompressedModel,
-    MethodSpec,
     base_fingerprint,
     register_dequantizer,
     register_method,

@@ -44,6 +44,7 @@ import polars as pl
 
 from tasks.common.config import require
 from tasks.curation.filters import FilterResult
+from tasks.curation.text import whitespace_words
 
 log = logging.getLogger(__name__)
 
@@ -328,8 +329,6 @@ class BpeTokenCount:
 def token_counter(tokenizer_path: str | Path | None):
     """:class:`BpeTokenCount` when ``tokenizer_path`` exists, else whitespace words (the
     tokenizer is trained by the train stage, after curate, so a first run has none)."""
-    from tasks.curation.recipes import whitespace_words
-
     if tokenizer_path is not None and Path(tokenizer_path).is_file():
         return BpeTokenCount(tokenizer_path)
     return whitespace_words

@@ -43,6 +43,7 @@ from tasks.curation.dedup import DedupIndex, MinHashConfig, exact_duplicates, mi
 from tasks.curation.decontam import DecontaminationConfig, ValDecontaminator
 from tasks.curation.filters import FILTERS, FilterResult
 from tasks.curation.rewrite import STYLES, GeneratorConfig
+from tasks.curation.text import TokenCount, whitespace_words
 
 #: Columns of a kept frame: the document columns plus ``rewrite`` (the style, or null for original text).
 KEPT_SCHEMA: dict[str, pl.DataType] = {
@@ -53,14 +54,6 @@ DROPPED_SCHEMA: dict[str, pl.DataType] = {
     "id": pl.Utf8, "reason": pl.Utf8, "duplicate_of": pl.Utf8, "source": pl.Utf8, "text": pl.Utf8,
 }
 _REWRITE_COL = "_rewrite_text"
-
-TokenCount = Callable[[pl.Series], pl.Series]
-
-
-def whitespace_words(texts: pl.Series) -> pl.Series:
-    """Tokens approximated by whitespace-separated words (≈ 0.75 of a GPT-2 BPE token count on English prose)."""
-    return texts.fill_null("").str.count_matches(r"\S+").cast(pl.Int64)
-
 
 # ---------------------------------------------------------------- step configs
 

@@ -70,7 +70,6 @@ from tasks.curation.recipes import (
     KEPT_SCHEMA,
     FilterCache,
     Recipe,
-    TokenCount,
     _as_working,
     _dropped,
     apply_mix,
@@ -82,7 +81,6 @@ from tasks.curation.recipes import (
     mix_keys,
     stats_from_counts,
     text_counts,
-    whitespace_words,
 )
 from tasks.curation.sources import (
     JSONL_SUFFIXES,
@@ -94,6 +92,7 @@ from tasks.curation.sources import (
     read_source,
     read_source_batches,
 )
+from tasks.curation.text import TokenCount, whitespace_words
 
 MARKER = "DONE"
 

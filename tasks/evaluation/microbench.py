@@ -65,7 +65,7 @@ import numpy as np
 import polars as pl
 
 from tasks.common.config import require
-from tasks.scaling.chinchilla import single_threaded_blas
+from tasks.common.parallel import single_threaded_blas
 
 METHODS = ("random", "stratified", "anchor_points", "learned_anchors")
 

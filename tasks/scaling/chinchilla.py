@@ -15,7 +15,6 @@ Parameter vectors are ordered ``theta = (a, b, e, alpha, beta)`` throughout.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import multiprocessing
 import os
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import minimize
 
+from tasks.common.parallel import single_threaded_blas
 from tasks.scaling.config import FitConfig
 
 PARAM_NAMES = ("E", "A", "B", "alpha", "beta")
@@ -247,20 +247,6 @@ def initial_grid(cfg: FitConfig) -> np.ndarray:
     """Every combination of the config's grid values, shape (grid_size, 5) in theta order."""
     mesh = np.meshgrid(cfg.grid_a, cfg.grid_b, cfg.grid_e, cfg.grid_alpha, cfg.grid_beta, indexing="ij")
     return np.stack([m.ravel() for m in mesh], axis=1).astype(float)
-
-
-def single_threaded_blas() -> contextlib.AbstractContextManager:
-    """Limit BLAS to one thread while optimising.
-
-    scipy's L-BFGS-B calls BLAS on 5x5 problems; with OpenBLAS's thread pool on a busy 2-core
-    machine each call took ~3 ms instead of ~0.1 ms (measured: 17x slower per start).
-    threadpoolctl comes with scikit-learn (an MLflow dependency); without it nothing is limited.
-    """
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - fitting still works, only slower
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
 
 
 def _bounds(cfg: FitConfig) -> list[tuple[float, float]]:

@@ -49,7 +49,7 @@ one mass), the lower-numbered heads take it.
 
 ``sparsity`` means what it means for :mod:`tasks.sparse.quoka`: the share of causal KV pairs
 skipped, counted over what ran (``achieved_sparsity()``). The patch is QuoKA's: one
-reversible ``AttentionInterface`` function (:class:`tasks.sparse.quoka.AttentionSparsity`).
+reversible ``AttentionInterface`` function (:class:`tasks.sparse.attention.AttentionSparsity`).
 
 Speed: :func:`proxyattn_blocks` scores all query blocks of a forward pass in a few batched products
 (passes of ~512 queries) and solves every block's budgets at once; the chosen blocks go to
@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.common.config import require
-from tasks.sparse.quoka import AttentionSparsity, _repeat_kv, attend_lists, attend_subset, solve_keep_share
+from tasks.sparse.attention import AttentionSparsity, _repeat_kv, attend_lists, attend_subset, solve_keep_share
 from tasks.sparse.registry import SparseMethodSpec, register_sparsifier
 
 

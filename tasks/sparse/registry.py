@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from tasks.common.config import require
-from tasks.compression.registry import PRETRAINED_MODELS, MethodRegistry, MethodSpec, RegisteredMethod
+from tasks.common.registry import MethodRegistry, MethodSpec, RegisteredMethod
+from tasks.compression.registry import PRETRAINED_MODELS
+from tasks.sparse.retrieval import RetrievalConfig
 
 SiteFn = Callable[[torch.Tensor], torch.Tensor]
 """Maps a module's input (..., d) to its sparsified version (same shape and dtype)."""
@@ -136,7 +138,7 @@ class ActivationSparsity(contextlib.AbstractContextManager):
 SparsifyFn = Callable[..., ActivationSparsity]
 """``sparsify(model, cfg, *, sparsity: float, calib_tokens: np.ndarray | None) -> handle``: an
 :class:`ActivationSparsity`, or an object with the same protocol (``with``, ``achieved_sparsity()``,
-``meta``) such as :class:`tasks.sparse.quoka.AttentionSparsity` for methods that skip KV pairs."""
+``meta``) such as :class:`tasks.sparse.attention.AttentionSparsity` for methods that skip KV pairs."""
 
 SPARSIFIERS: MethodRegistry[SparsifyFn] = MethodRegistry("sparse-inference method", "tasks.sparse")
 
@@ -210,8 +212,6 @@ class SparseEvalConfig:
     retrieval: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from tasks.sparse.retrieval import RetrievalConfig
-
         require(len(self.settings) > 0, "settings", "needs at least one setting")
         SPARSIFIERS.validate_section(self.settings, self.enabled)
         require(self.eval_tokens >= 2, "eval_tokens", f"must be >= 2, got {self.eval_tokens}")

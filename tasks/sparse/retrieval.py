@@ -20,7 +20,7 @@ ten), so accuracies here read higher than generation-based NIAH scores at equal 
 Sparse methods enter through their handle (:func:`tasks.sparse.registry.sparsify`). The prompt is
 prefilled under the handle; the candidates are scored from the prefilled KV cache, under the
 handle for activation sparsity (TEAL, WINA: a decode-time method) and with exact attention for
-sparse-prefill methods (QuoKA, ProxyAttn: :class:`~tasks.sparse.quoka.AttentionSparsity`), whose
+sparse-prefill methods (QuoKA, ProxyAttn: :class:`~tasks.sparse.attention.AttentionSparsity`), whose
 papers decode densely — so what is measured is how much the sparse prefill lost of the needle.
 
 Example::
@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from tasks.common.config import require
+from tasks.sparse.attention import AttentionSparsity
 
 NAMES = ("Maria", "James", "Aiko", "Omar", "Lena", "Pavel", "Chloe", "Ravi", "Ingrid", "Tomas", "Zara", "Kofi",
          "Elena", "Hugo", "Mei", "Diego", "Nadia", "Felix", "Amara", "Jonas", "Priya", "Mateo", "Yara", "Sven",
@@ -155,8 +156,6 @@ def candidate_logliks(model: nn.Module, item: NeedleItem, handle: Any | None = N
     one right-padded batch over that cache — padding comes after each candidate's tokens, so the
     causal mask keeps it out of their scores. ``sparse_answer``: whether ``handle`` stays on for the
     candidates (None: off for sparse-prefill attention methods, on for activation sparsity)."""
-    from tasks.sparse.quoka import AttentionSparsity
-
     if sparse_answer is None:
         sparse_answer = not isinstance(handle, AttentionSparsity)
     context = getattr(model.config, "max_position_embeddings", None)

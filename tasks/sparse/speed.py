@@ -78,7 +78,7 @@ def linear_speedup(model: nn.Module, sparsity: float, *, rounds: int = 5, repeat
 @torch.no_grad()
 def attention_speedup(model: nn.Module, handle, seq_len: int, *, rounds: int = 3, seed: int = 0) -> float:
     """Dense over sparse time of one layer's prefill attention over ``seq_len`` tokens, the sparse side
-    being ``handle.attend`` (:class:`tasks.sparse.quoka.AttentionSparsity`)."""
+    being ``handle.attend`` (:class:`tasks.sparse.attention.AttentionSparsity`)."""
     cfg = model.config
     hq = cfg.num_attention_heads
     hkv = getattr(cfg, "num_key_value_heads", None) or hq

@@ -281,22 +281,6 @@ def load_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
 # --------------------------------------------------------------------------------------------
 # Training
 
-_PROCESS_THREADS: int | None = None
-
-
-def set_process_threads(num_threads: int) -> None:
-    """Set torch's intra-op threads once for this process (0 leaves torch's default).
-
-    A process-wide setting: the train flow calls it before its thread pool starts, and a Ray
-    worker's first task does; later calls with the same value are no-ops, and nothing restores it,
-    so concurrent tasks of one process never race on toggling it.
-    """
-    global _PROCESS_THREADS
-    if num_threads > 0 and _PROCESS_THREADS != num_threads:
-        torch.set_num_threads(num_threads)
-        _PROCESS_THREADS = num_threads
-
-
 def _resolve_device(device: torch.device | str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -60,7 +60,6 @@ import dataclasses
 import math
 import warnings
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -265,24 +264,3 @@ def _unpruned_and_pruned(cfg):
     off = dataclasses.replace(cfg.repb, enabled=False, compare=())
     return (dataclasses.replace(cfg, repb=off),
             dataclasses.replace(cfg, repb=dataclasses.replace(off, enabled=True)))
-
-
-def compare_repb(spec, cfg, train_tokens: np.ndarray, val_tokens: np.ndarray, out_dir: str | Path,
-                 **train_kwargs: Any) -> dict[str, Any]:
-    """Train ``spec`` twice at equal optimizer steps, without and with RePB; return both results.
-
-    Returns ``{"baseline": TrainResult, "repb": TrainResult, "delta_val_loss": repb - baseline,
-    "kept_fraction": float}``. Runs go to ``out_dir/baseline`` and ``out_dir/repb``.
-    """
-    from tasks.training.loop import train_model
-
-    out_dir = Path(out_dir)
-    base_cfg, repb_cfg = _unpruned_and_pruned(cfg)
-    base = train_model(spec, base_cfg, train_tokens, val_tokens, out_dir / "baseline", **train_kwargs)
-    pruned = train_model(spec, repb_cfg, train_tokens, val_tokens, out_dir / "repb", **train_kwargs)
-    return {
-        "baseline": base,
-        "repb": pruned,
-        "delta_val_loss": pruned.val_loss - base.val_loss,
-        "kept_fraction": pruned.repb_kept_frac,
-    }

@@ -240,7 +240,8 @@ def test_mlflow_records_lineage_models_and_registry(ci_run):
     """Datasets with DVC digests on every run that reads data, git/params tags, logged models with
     their metrics (trained, compressed and pruned), one registry alias per series and budget."""
     workdir, _ = ci_run
-    from tasks.common.lineage import GIT_DIRTY, PARAMS_HASH, file_md5
+    from tasks.common.lineage import file_md5
+    from tasks.common.provenance import GIT_DIRTY, PARAMS_HASH
 
     client, exp, runs = pipeline_runs(ci_run)
     assert all(PARAMS_HASH in r.data.tags for r in runs)

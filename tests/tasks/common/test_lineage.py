@@ -1,4 +1,4 @@
-"""Lineage helpers: dataset digests against dvc.lock, source tags, models logged by reference and
+"""Lineage helpers: dataset digests against dvc.lock, inherited source tags, models logged by reference and
 registered, loaded back through MLflow with the folder's logits."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 import yaml
 
 from tasks.common.lineage import (
-    GIT_COMMIT, GIT_DIRTY, PARAMS_HASH, budget_label, data_ref, dvc_entry, find_models, log_datasets, log_model_ref,
-    model_name, params_hash, register_alias, source_tags, stage_params_files,
+    budget_label, data_ref, dvc_entry, find_models, log_datasets, log_model_ref, model_name, register_alias,
 )
+from tasks.common.provenance import PARAMS_HASH
 from tasks.common.tracking import tracked_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
@@ -123,29 +123,6 @@ def test_bad_input_names_the_file(workdir: Path, tmp_path: Path):
     (workdir / "dvc.lock").write_text("stages: [unclosed")
     with pytest.raises(ValueError, match="dvc.lock"):
         dvc_entry(workdir, "data/tokens/raw.npy")
-
-
-def test_source_tags_name_the_commit_and_hash_the_stage_params(tmp_path: Path):
-    (tmp_path / "params").mkdir()
-    (tmp_path / "params" / "pipeline.yaml").write_text("pipeline: {}\n")
-    (tmp_path / "params" / "training.yaml").write_text("training: {lr: 0.1}\n")
-    (tmp_path / "params" / "fit.yaml").write_text("fit: {}\n")
-    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": {
-        "cmd": "x", "params": [{"params/pipeline.yaml": None}, {"params/training.yaml": None}]}}}))
-    files = stage_params_files(tmp_path, "train")
-    assert [f.name for f in files] == ["pipeline.yaml", "training.yaml"]
-    assert len(stage_params_files(tmp_path, "pipeline")) == 3  # not a DVC stage: every params file
-    tags = source_tags(tmp_path, "train")
-    before = tags[PARAMS_HASH]
-    (tmp_path / "params" / "fit.yaml").write_text("fit: {changed: 1}\n")  # not train's: same hash
-    assert source_tags(tmp_path, "train")[PARAMS_HASH] == before
-    (tmp_path / "params" / "training.yaml").write_text("training: {lr: 0.2}\n")
-    assert source_tags(tmp_path, "train")[PARAMS_HASH] != before
-    repo = Path(__file__).resolve().parents[3]
-    if (repo / ".git").exists():  # this checkout's commit; the flag is a boolean string
-        assert len(tags[GIT_COMMIT]) == 40 and tags[GIT_DIRTY] in ("true", "false")
-    with pytest.raises(FileNotFoundError, match="gone.yaml"):
-        params_hash([tmp_path / "params" / "gone.yaml"])
 
 
 def test_children_inherit_source_tags_and_datasets_show_on_the_run(workdir: Path):

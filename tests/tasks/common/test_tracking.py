@@ -46,7 +46,7 @@ def test_dvc_temp_experiments_log_to_the_main_tree(monkeypatch, tmp_path: Path):
 
 
 def test_experiments_open_in_the_uis_model_training_layout(uri: str):
-    from tasks.common.tracking import _experiment_id
+    from tasks.common.tracking import experiment_id
 
     client = mlflow.MlflowClient(uri)
     kind = lambda name: client.get_experiment_by_name(name).tags.get("mlflow.experimentKind")  # noqa: E731
@@ -54,17 +54,17 @@ def test_experiments_open_in_the_uis_model_training_layout(uri: str):
         pass
     assert kind("new") == "custom_model_development"
     client.create_experiment("older")  # a store written before the tag existed gets it on next use
-    _experiment_id(client, "older", uri)
+    experiment_id(client, "older", uri)
     assert kind("older") == "custom_model_development"
     client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
-    _experiment_id(client, "chosen", uri)
+    experiment_id(client, "chosen", uri)
     assert kind("chosen") == "genai_development"
 
 
 def _orphan(client, uri: str, name: str, tags: dict) -> str:
-    from tasks.common.tracking import _experiment_id
+    from tasks.common.tracking import experiment_id
 
-    return client.create_run(_experiment_id(client, "t"), run_name=name, tags=tags).info.run_id
+    return client.create_run(experiment_id(client, "t"), run_name=name, tags=tags).info.run_id
 
 
 def _dead_pid() -> int:

@@ -12,12 +12,11 @@ from torch import nn
 
 from tasks.common.config import ConfigError
 from tasks.common.params import PRESETS, load_stage_config, stage_section
+from tasks.common.registry import MethodRegistry, MethodSpec
 from tasks.compression import registry
 from tasks.compression.registry import (
     CompressedModel,
     CompressionConfig,
-    MethodRegistry,
-    MethodSpec,
     compress,
     get_method,
     parse_settings,

@@ -15,7 +15,8 @@ from tasks.curation.crawl import (
     token_counter,
     url_filter,
 )
-from tasks.curation.recipes import Recipe, run_recipe, step, whitespace_words
+from tasks.curation.recipes import Recipe, run_recipe, step
+from tasks.curation.text import whitespace_words
 
 EN = "The committee met on Tuesday to discuss the budget for the new library and the school."
 DE = "Der Ausschuss hat sich am Dienstag getroffen, um den Haushalt der neuen Bibliothek zu besprechen."

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from training_fixtures import markov_tokens, tiny_config
 
 from tasks.training.config import ModelShape, RePBConfig
 from tasks.training.loop import ladder, run_fingerprint, train_model
-from tasks.training.repb import RePBSelector, compare_repb, normalise_scores, repb_arms, weighted_step_loss
+from tasks.training.repb import RePBSelector, normalise_scores, repb_arms, weighted_step_loss
 
 
 def _raw(**kw) -> RePBConfig:
@@ -193,6 +194,22 @@ def test_training_run_keeps_keep_ratio(tmp_path, grad_accum):
         result = train_model(spec, cfg, data[:35_000], data[35_000:], tmp_path)
     assert abs(result.repb_kept_frac - 0.7) <= 0.05
     assert result.history[-1][1] < result.history[0][1]  # and it learns
+
+
+def compare_repb(spec, cfg, train_tokens: np.ndarray, val_tokens: np.ndarray, out_dir: Path) -> dict:
+    """Train ``spec`` twice at equal optimizer steps, without and with RePB (the two arms
+    :func:`repb_arms` gives a compared variant); return both results, the val-loss delta and the
+    RePB run's kept fraction. Runs go to ``out_dir/baseline`` and ``out_dir/repb``."""
+    compared = dataclasses.replace(cfg, repb=dataclasses.replace(cfg.repb, compare=("raw",)))
+    (_, base_cfg), (_, repb_cfg) = repb_arms(compared, "raw")
+    base = train_model(spec, base_cfg, train_tokens, val_tokens, out_dir / "baseline")
+    pruned = train_model(spec, repb_cfg, train_tokens, val_tokens, out_dir / "repb")
+    return {
+        "baseline": base,
+        "repb": pruned,
+        "delta_val_loss": pruned.val_loss - base.val_loss,
+        "kept_fraction": pruned.repb_kept_frac,
+    }
 
 
 def test_compare_at_equal_steps(tmp_path):
