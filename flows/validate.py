@@ -30,7 +30,8 @@ from flows.fit import gather_points
 from flows.runtime import config_hash, map_tasks
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.io import read_json, write_json
-from tasks.common.lineage import git_state
+from tasks.common.parallel import set_process_threads
+from tasks.common.provenance import git_state
 from tasks.scaling.compute_optimal import fit_flops_per_token
 from tasks.scaling.config import FitConfig
 from tasks.scaling.decisions import (
@@ -85,8 +86,6 @@ def predict(points: pl.DataFrame, cfg: FitConfig, spec: RunSpec) -> dict:
 def train_point(variant: str, spec: RunSpec, cfg: TrainingConfig, train_path: str, val_path: str,
                 val_docs_path: str, out_dir: str) -> dict:
     """Train the validation point on one series' tokens and return its per-document losses."""
-    from tasks.training.loop import set_process_threads
-
     set_process_threads(cfg.num_threads)
     result = train_model(spec, cfg, load_tokens(train_path), load_tokens(val_path), out_dir,
                          val_docs=load_tokens(val_docs_path, mmap=False))
