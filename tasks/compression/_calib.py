@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tasks.common.windows import token_windows
 from tasks.compression.rtn import quantized_linears
 
 __all__ = ["quantized_linears", "calibration_windows", "model_seq_len", "decoder_blocks", "input_statistics", "by_block"]
@@ -29,14 +30,9 @@ def calibration_windows(calib_tokens: np.ndarray | torch.Tensor | None, seq_len:
     """
     if calib_tokens is None:
         raise ValueError(f"{method} needs calibration tokens: set compression.calib_tokens > 0 in params/compression.yaml")
-    t = torch.as_tensor(np.asarray(calib_tokens)).long()
-    if t.dim() == 2:
-        windows = t
-    else:
-        n = t.numel() // seq_len
-        if n == 0:
-            raise ValueError(f"{method}: {t.numel()} calibration tokens are fewer than one window of {seq_len}")
-        windows = t[: n * seq_len].view(n, seq_len)
+    windows = token_windows(calib_tokens, seq_len)
+    if windows.shape[0] == 0 and np.ndim(calib_tokens) == 1:
+        raise ValueError(f"{method}: {len(calib_tokens)} calibration tokens are fewer than one window of {seq_len}")
     return windows[:max_windows] if max_windows else windows
 
 

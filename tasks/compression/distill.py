@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.common.config import require
+from tasks.common.windows import token_windows as common_token_windows
 
 LOSSES = ("csd", "kl", "dld")
 WEIGHT_SOURCES = ("student", "teacher", "uniform")
@@ -222,16 +223,10 @@ class RecoveryCurve:
 
 
 def token_windows(tokens: np.ndarray | torch.Tensor, seq_len: int) -> torch.Tensor:
-    """(n, T) int64 windows: ``tokens`` as given when 2-D, else a 1-D stream cut into non-overlapping windows."""
-    t = torch.as_tensor(np.asarray(tokens) if not isinstance(tokens, torch.Tensor) else tokens).long()
-    if t.dim() == 2:
-        windows = t
-    elif t.dim() == 1:
-        windows = t[: (t.numel() // seq_len) * seq_len].view(-1, seq_len)
-    else:
-        raise ValueError(f"tokens: expected a 1-D stream or (n, T) windows, got shape {tuple(t.shape)}")
+    """(n, T) int64 windows (:func:`tasks.common.windows.token_windows`), at least one of at least 2 tokens."""
+    windows = common_token_windows(tokens, seq_len)
     if windows.shape[0] == 0 or windows.shape[1] < 2:
-        raise ValueError(f"tokens: no window of at least 2 tokens (shape {tuple(t.shape)}, seq_len {seq_len})")
+        raise ValueError(f"tokens: no window of at least 2 tokens (shape {tuple(np.shape(tokens))}, seq_len {seq_len})")
     return windows
 
 

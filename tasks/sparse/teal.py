@@ -38,6 +38,7 @@ from torch import nn
 
 from tasks.common.config import require
 from tasks.common.patterns import matches_any
+from tasks.common.windows import token_windows
 from tasks.sparse.registry import ActivationSparsity, SparseMethodSpec, register_sparsifier
 
 
@@ -132,10 +133,9 @@ def _device(model: nn.Module) -> torch.device:
 
 def calib_windows(calib_tokens: np.ndarray, seq: int) -> torch.Tensor:
     """``calib_tokens`` cut into windows of ``seq`` tokens, (n_windows, seq)."""
-    n_windows = len(calib_tokens) // seq
-    if n_windows == 0:
+    if len(calib_tokens) < seq:
         raise ValueError(f"calib_tokens: need at least calib_seq_len={seq} tokens, got {len(calib_tokens)}")
-    return torch.from_numpy(np.asarray(calib_tokens[: n_windows * seq], dtype=np.int64)).view(n_windows, seq)
+    return token_windows(calib_tokens, seq)
 
 
 @torch.no_grad()
