@@ -6,7 +6,10 @@ raw training split, tokenizes each variant and the shared validation split, then
 Under ``schedule: wsd`` each (variant, size) is one task: a stable run and a cooldown branch per
 budget. Writes ``models/trained/<variant>/<run>/``, ``reports/train.csv`` (N counted both ways,
 ``flops_total``, ``epochs``, ``unique_tokens``, ``diverged``), ``reports/train_curves.csv`` and
-``reports/val_by_source.csv`` (each run's loss per corpus source, over every validation token).
+``reports/val_by_source.csv`` (each run's loss per corpus source, over every validation token) and
+``reports/val_docs.parquet`` (each run's summed loss per validation document, for paired
+per-document comparisons of variants). A run's ``val_loss`` is its mean over the whole validation
+split (``val_tokens`` scored targets); ``train_curves.csv`` stays on the first ``eval_tokens``.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from flows.progress import progress_bars
 from flows.artifacts import publish_table, train_table
 from flows.runtime import Context, config_hash, map_tasks
 from flows.stage import stage_context, stage_run, write_table
-from tasks.common.io import read_json, write_json, write_text
+from tasks.common.io import atomic_path, read_json, write_json, write_text
 from tasks.common.lineage import DataRef, budget_label, data_ref, log_datasets, log_model_ref, register_alias
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.training.config import TrainingConfig
-from tasks.training.loop import RunSpec, ladder, set_process_threads, train_model, train_size_wsd
+from tasks.training.loop import RunSpec, ladder, read_doc_losses, set_process_threads, train_model, train_size_wsd
 from tasks.training.repb import repb_arms
 from tasks.training.tokenizer import encode_corpus, encode_corpus_segments, load_tokens, save_tokens, train_tokenizer
 
@@ -86,22 +89,25 @@ def ensure_tokens(tokenizer, source: Path, target: Path, tokenizer_path: Path) -
     return target
 
 
-def ensure_val_tokens(tokenizer, source: Path, target: Path, tokenizer_path: Path) -> tuple[Path, Path]:
-    """Tokenize the validation split into ``target`` and the source of each token into
-    ``<target>.sources.npy`` (int16 codes; names in the meta), cached by content hash."""
+def ensure_val_tokens(tokenizer, source: Path, target: Path, tokenizer_path: Path) -> tuple[Path, Path, Path]:
+    """Tokenize the validation split into ``target``, the source of each token into
+    ``<target>.sources.npy`` (int16 codes; names in the meta) and the document of each token into
+    ``<target>.docs.npy`` (int32 row of ``source``), cached by content hash. Returns the three paths."""
     groups = target.with_suffix(".sources.npy")
-    key = f"{file_digest(source)}-{file_digest(tokenizer_path)}-sources"
+    docs = target.with_suffix(".docs.npy")
+    key = f"{file_digest(source)}-{file_digest(tokenizer_path)}-sources-docs"
     meta = target.with_suffix(".meta.json")
-    if target.exists() and groups.exists() and meta.exists() and read_json(meta).get("key") == key:
-        return target, groups
+    if all(p.exists() for p in (target, groups, docs, meta)) and read_json(meta).get("key") == key:
+        return target, groups, docs
     frame = pl.read_parquet(source, columns=["text", "source"])
     arr, doc_index = encode_corpus_segments(tokenizer, frame["text"])
     names = sorted(set(frame["source"].to_list()))
     codes = np.array([names.index(x) for x in frame["source"].to_list()], dtype=np.int16)
     save_tokens(target, arr)
     save_tokens(groups, codes[doc_index])
-    write_json(meta, {"key": key, "tokens": int(arr.size), "sources": names})
-    return target, groups
+    save_tokens(docs, doc_index.astype(np.int32))
+    write_json(meta, {"key": key, "tokens": int(arr.size), "documents": frame.height, "sources": names})
+    return target, groups, docs
 
 
 def source_labels(groups_path: Path) -> np.ndarray:
@@ -117,7 +123,7 @@ OWNER_FILE = "owner.json"
 def train_size(
     variant: str, specs: list[RunSpec], cfg: TrainingConfig, train_path: str, val_path: str, val_groups_path: str,
     out_dirs: list[str], stable_dir: str | None, parent: RunRef, preset: str, data_variant: str | None = None,
-    progress=None, data: tuple[DataRef, DataRef] | None = None,
+    progress=None, data: tuple[DataRef, DataRef] | None = None, val_docs_path: str | None = None,
 ) -> list[dict]:
     """Train one size's points of one series (every budget under WSD, one point under cosine), each in its
     own MLflow child run; returns their rows for reports/train.csv.
@@ -125,7 +131,8 @@ def train_size(
     ``variant`` labels the series (``raw``, or ``raw+repb`` for the RePB arm); ``data_variant`` is
     the curated corpus it trained on (default: ``variant``). ``data``: the (training, validation)
     token files as MLflow datasets, logged on every run; each trained model is logged as an MLflow
-    model (by reference) with its metrics, its id in the row's ``model_id``.
+    model (by reference) with its metrics, its id in the row's ``model_id``. ``val_docs_path``: each
+    validation token's document (``ensure_val_tokens``), so every run writes ``doc_losses.parquet``.
     """
     set_process_threads(cfg.num_threads)  # once per process: a no-op in the flow's own thread pool
     for d in out_dirs:
@@ -134,12 +141,13 @@ def train_size(
         write_json(Path(stable_dir) / OWNER_FILE, {"preset": preset, "variant": variant})
     train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
     val_groups = source_labels(Path(val_groups_path))
+    val_docs = load_tokens(val_docs_path, mmap=False) if val_docs_path else None
     with contextlib.ExitStack() as stack:
         runs, params = {}, {}
         for spec in specs:
             params[spec.name] = {
                 "stage": "train", "variant": variant, "data_variant": data_variant or variant, "preset": preset,
-                "run": spec.name, "n_params": spec.n_params, "n_params_nonembed": spec.n_params,
+                "run": spec.name, "seed": cfg.seed, "n_params": spec.n_params, "n_params_nonembed": spec.n_params,
                 "n_params_total": spec.n_params_total,
                 "tokens": spec.tokens, "arch": cfg.arch, "schedule": cfg.schedule, "lr": spec.lr,
                 "data_pruning": "repb" if cfg.repb.enabled else "none", "compute_budget": spec.compute_budget,
@@ -161,10 +169,11 @@ def train_size(
 
         if stable_dir is not None:
             results = train_size_wsd(specs, cfg, train_tokens, val_tokens, out_dirs, stable_dir,
-                                     on_metrics=on_metrics, progress=bar, val_groups=val_groups)
+                                     on_metrics=on_metrics, progress=bar, val_groups=val_groups, val_docs=val_docs)
         else:
             results = [train_model(spec, cfg, train_tokens, val_tokens, Path(d), on_metrics=on_metrics(spec),
-                                   progress=bar(spec), val_groups=val_groups) for spec, d in zip(specs, out_dirs)]
+                                   progress=bar(spec), val_groups=val_groups, val_docs=val_docs)
+                       for spec, d in zip(specs, out_dirs)]
         rows = []
         for spec, result, out_dir in zip(specs, results, out_dirs):
             run = runs[spec.name]
@@ -194,6 +203,41 @@ def train_size(
                          "diverged": result.diverged, "diverged_reason": result.diverged_reason,
                          "history": history, "by_source": by_group, "model_id": model_id})
         return rows
+
+
+VAL_DOCS_COLUMNS = ("variant", "data_variant", "run", "seed", "n_params_total", "tokens_trained", "compute_budget",
+                    "doc", "source", "tokens", "loss_sum")
+
+
+def val_docs_table(rows: list[dict], out_dirs: list[Path], doc_sources: list[str]) -> pl.DataFrame:
+    """One row per (series, run, seed, validation document) with the run's summed loss on it.
+
+    ``rows`` (train_size's) pair with ``out_dirs``; diverged runs have no model and no rows.
+    ``doc_sources[d]`` is the corpus source of validation document ``d``. ``tokens`` counts the
+    document's scored targets and ``loss_sum`` their summed loss (nats); ``tokens_trained`` is the
+    run's D. Every (variant, seed) pair of a run scores the same documents, so two variants'
+    losses pair up on ``doc``.
+    """
+    schema = {"variant": pl.String, "data_variant": pl.String, "run": pl.String, "seed": pl.Int64,
+              "n_params_total": pl.Int64, "tokens_trained": pl.Int64, "compute_budget": pl.Float64,
+              "doc": pl.Int64, "source": pl.String, "tokens": pl.Int64, "loss_sum": pl.Float64}
+    sources = pl.Series("source", doc_sources, dtype=pl.String)
+    parts = []
+    for r, d in zip(rows, out_dirs):
+        if r["diverged"]:
+            continue
+        docs = read_doc_losses(d)
+        if len(docs) and int(docs["doc"].max()) >= len(sources):
+            raise ValueError(f"{d}: doc_losses.parquet names document {int(docs['doc'].max())}, but the validation "
+                             f"split has {len(sources)}; it was scored on another split, delete the folder to retrain")
+        parts.append(docs.select(
+            pl.lit(r["variant"]).alias("variant"), pl.lit(r.get("data_variant") or r["variant"]).alias("data_variant"),
+            pl.lit(r["run"]).alias("run"), pl.lit(r["seed"]).alias("seed"),
+            pl.lit(r["n_params_total"]).alias("n_params_total"), pl.lit(r["tokens"]).alias("tokens_trained"),
+            pl.lit(r.get("compute_budget")).alias("compute_budget"), pl.col("doc"),
+            sources.gather(docs["doc"]).alias("source"), pl.col("tokens"), pl.col("loss_sum"),
+        ).cast(schema))
+    return pl.concat(parts) if parts else pl.DataFrame(schema=schema)
 
 
 def register_best_models(run, rows: list[dict]) -> dict[str, str]:
@@ -271,8 +315,8 @@ def train_flow(
     set_process_threads(cfg.num_threads)  # per process, before the thread pool starts
     with stage_run(ctx, "train", cfg) as run:
         tokenizer = ensure_tokenizer(ctx, cfg)
-        val_path, val_groups = ensure_val_tokens(tokenizer, layout.prepared / "val.parquet", layout.tokens / "val.npy",
-                                                 layout.tokenizer)
+        val_path, val_groups, val_docs = ensure_val_tokens(tokenizer, layout.prepared / "val.parquet",
+                                                           layout.tokens / "val.npy", layout.tokenizer)
         variants = curated_variants(layout.curated, cfg.variants)
         not_trained = [v for v in cfg.repb.compare if v not in variants]
         if not_trained:
@@ -300,7 +344,8 @@ def train_flow(
                     keep_dirs.update(out_dirs)
                     jobs.append(dict(variant=label, data_variant=variant, specs=group, cfg=arm_cfg,
                                      train_path=str(train_path), val_path=str(val_path),
-                                     val_groups_path=str(val_groups), out_dirs=[str(d) for d in out_dirs],
+                                     val_groups_path=str(val_groups), val_docs_path=str(val_docs),
+                                     out_dirs=[str(d) for d in out_dirs],
                                      stable_dir=str(stable) if stable else None, data=data))
         rows = run_ladder(ctx, cfg, jobs, run.ref())
         for d in remove_stale_models(layout.trained, labels, ctx.preset, keep_dirs):
@@ -325,6 +370,10 @@ def train_flow(
                       f"{len(rows)} runs; all of them in reports/train.csv and the MLflow Models tab.")
         write_table(ctx, "train_curves", curves, run)
         write_table(ctx, "val_by_source", by_source, run)
+        doc_sources = pl.read_parquet(layout.prepared / "val.parquet", columns=["source"])["source"].to_list()
+        with atomic_path(layout.reports / "val_docs.parquet") as tmp:
+            val_docs_table(rows, [Path(d) for d in out_dirs], doc_sources).write_parquet(tmp)
+        run.log_artifact(layout.reports / "val_docs.parquet", "reports")
         diverged = [r["run"] for r in rows if r["diverged"]]
         multi_epoch = [r["run"] for r in rows if r["epochs"] > 1]
         run.log_metrics({"runs": len(rows), "diverged_runs": len(diverged), "multi_epoch_runs": len(multi_epoch)})
