@@ -19,7 +19,7 @@ TINY = {  # two sizes x two budgets, WSD; raw and a second variant; one extra se
     "log_interval": 4, "checkpoint_interval": 0, "schedule": "wsd", "compute_budgets": [],
     "token_budgets": [1024, 2048], "sizes": [{"d_model": 16, "n_layers": 1, "n_heads": 2},
                                             {"d_model": 32, "n_layers": 1, "n_heads": 2}],
-    "variants": ["raw", "other"], "repb": {"compare": []},
+    "variants": ["raw", "other"], "repb": {"compare": []}, "seeds": [1], "seed_sizes": ["d32_l1"],
 }
 
 
@@ -67,3 +67,21 @@ def test_train_flow_writes_doc_losses_per_seed_and_keeps_seeds_out_of_train_csv(
     sources = pl.read_parquet(work / "data" / "prepared" / "val.parquet")["source"]
     assert all(sources[d] == s for d, s in docs.select("doc", "source").unique().iter_rows())
     assert read_doc_losses(Path(work) / train["model_dir"][0]).height > 0
+
+    # the extra seed: the seeded size's 2 points per variant, in train_seeds.csv and val_docs.parquet only
+    seeds = pl.read_csv(reports / "train_seeds.csv")
+    assert seeds.columns == train.columns
+    assert sorted(seeds.select("variant", "run", "seed").rows()) == sorted(
+        (v, f"d32_l1_D{d}", 1) for v in ("raw", "other") for d in (1024, 2048))
+    assert set(seeds["model_dir"]).isdisjoint(train["model_dir"])  # folders of their own
+    assert set(docs.filter(pl.col("run").str.starts_with("d32_l1")).select("variant", "seed").unique().rows()) == {
+        ("raw", 0), ("raw", 1), ("other", 0), ("other", 1)}
+    assert set(docs.filter(pl.col("run").str.starts_with("d16_l1"))["seed"]) == {0}
+    both = (docs.filter(pl.col("run") == "d32_l1_D2048", pl.col("variant") == "raw")
+            .pivot(on="seed", index="doc", values="loss_sum"))
+    assert both.height > 0 and (both["0"] != both["1"]).any()  # another init and data order, the same documents
+    # a rerun trains nothing, keeps every folder (extra-seed ones too) and writes the same tables
+    train_flow(root=str(root), preset="ci", workdir=str(work))
+    assert all((work / d).is_dir() for d in [*train["model_dir"], *seeds["model_dir"]])
+    assert pl.read_csv(reports / "train_seeds.csv").equals(seeds)
+    assert pl.read_parquet(reports / "val_docs.parquet").equals(docs)
