@@ -65,9 +65,15 @@ def stage_run(ctx: Context, stage: str, cfg: Any | None = None, *, run_name: str
             yield run
 
 
-def write_table(ctx: Context, name: str, rows: list[dict[str, Any]], run: TrackedRun | None = None) -> pl.DataFrame:
-    """Write ``reports/<name>.csv`` (for `dvc plots`/`dvc metrics`) and attach it to the run."""
-    frame = pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
+def write_table(ctx: Context, name: str, rows: list[dict[str, Any]] | pl.DataFrame,
+                run: TrackedRun | None = None) -> pl.DataFrame:
+    """Write ``reports/<name>.csv`` (for `dvc plots`/`dvc metrics`) and attach it to the run.
+
+    ``rows`` may be a frame, so a table with no rows still has its columns (a header-only CSV)."""
+    if isinstance(rows, pl.DataFrame):
+        frame = rows
+    else:
+        frame = pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
     path = write_csv(ctx.layout.reports / f"{name}.csv", frame)
     if run is not None:
         run.log_artifact(path, "reports")

@@ -6,7 +6,15 @@ raw training split, tokenizes each variant and the shared validation split, then
 Under ``schedule: wsd`` each (variant, size) is one task: a stable run and a cooldown branch per
 budget. Writes ``models/trained/<variant>/<run>/``, ``reports/train.csv`` (N counted both ways,
 ``flops_total``, ``epochs``, ``unique_tokens``, ``diverged``), ``reports/train_curves.csv`` and
-``reports/val_by_source.csv`` (each run's loss per corpus source, over every validation token).
+``reports/val_by_source.csv`` (each run's loss per corpus source, over every validation token) and
+``reports/val_docs.parquet`` (each run's summed loss per validation document, for paired
+per-document comparisons of variants). A run's ``val_loss`` is its mean over the whole validation
+split (``val_tokens`` scored targets); ``train_curves.csv`` stays on the first ``eval_tokens``.
+
+``training.seeds`` retrains the sizes of ``seed_sizes`` with each extra seed (same series label, its
+own folders); those runs go to ``reports/train_seeds.csv`` (train.csv's columns) and, with their
+``seed``, to ``val_docs.parquet``, never to train.csv (``seed`` column: the base seed), so every
+later stage still reads one run per ladder point and registers base-seed models only.
 """
 
 from __future__ import annotations
@@ -27,12 +35,14 @@ from flows.progress import progress_bars
 from flows.artifacts import publish_table, train_table
 from flows.runtime import Context, config_hash, map_tasks
 from flows.stage import stage_context, stage_run, write_table
-from tasks.common.io import read_json, write_json, write_text
+from tasks.common.io import atomic_path, read_json, write_json, write_text
+from tasks.common.config import to_dict
 from tasks.common.lineage import DataRef, budget_label, data_ref, log_datasets, log_model_ref, register_alias
 from tasks.common.parallel import set_process_threads
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.training.config import TrainingConfig
-from tasks.training.loop import RunSpec, ladder, train_model, train_size_wsd
+from tasks.training.design import seed_sizes
+from tasks.training.loop import RunSpec, ladder, read_doc_losses, train_model, train_size_wsd
 from tasks.training.repb import repb_arms
 from tasks.training.tokenizer import encode_corpus, encode_corpus_segments, load_tokens, save_tokens, train_tokenizer
 
@@ -87,22 +97,25 @@ def ensure_tokens(tokenizer, source: Path, target: Path, tokenizer_path: Path) -
     return target
 
 
-def ensure_val_tokens(tokenizer, source: Path, target: Path, tokenizer_path: Path) -> tuple[Path, Path]:
-    """Tokenize the validation split into ``target`` and the source of each token into
-    ``<target>.sources.npy`` (int16 codes; names in the meta), cached by content hash."""
+def ensure_val_tokens(tokenizer, source: Path, target: Path, tokenizer_path: Path) -> tuple[Path, Path, Path]:
+    """Tokenize the validation split into ``target``, the source of each token into
+    ``<target>.sources.npy`` (int16 codes; names in the meta) and the document of each token into
+    ``<target>.docs.npy`` (int32 row of ``source``), cached by content hash. Returns the three paths."""
     groups = target.with_suffix(".sources.npy")
-    key = f"{file_digest(source)}-{file_digest(tokenizer_path)}-sources"
+    docs = target.with_suffix(".docs.npy")
+    key = f"{file_digest(source)}-{file_digest(tokenizer_path)}-sources-docs"
     meta = target.with_suffix(".meta.json")
-    if target.exists() and groups.exists() and meta.exists() and read_json(meta).get("key") == key:
-        return target, groups
+    if all(p.exists() for p in (target, groups, docs, meta)) and read_json(meta).get("key") == key:
+        return target, groups, docs
     frame = pl.read_parquet(source, columns=["text", "source"])
     arr, doc_index = encode_corpus_segments(tokenizer, frame["text"])
     names = sorted(set(frame["source"].to_list()))
     codes = np.array([names.index(x) for x in frame["source"].to_list()], dtype=np.int16)
     save_tokens(target, arr)
     save_tokens(groups, codes[doc_index])
-    write_json(meta, {"key": key, "tokens": int(arr.size), "sources": names})
-    return target, groups
+    save_tokens(docs, doc_index.astype(np.int32))
+    write_json(meta, {"key": key, "tokens": int(arr.size), "documents": frame.height, "sources": names})
+    return target, groups, docs
 
 
 def source_labels(groups_path: Path) -> np.ndarray:
@@ -114,11 +127,19 @@ def source_labels(groups_path: Path) -> np.ndarray:
 OWNER_FILE = "owner.json"
 
 
+def folder_key(cfg: TrainingConfig) -> dict:
+    """The config a model folder is keyed by: ``cfg`` less the list of extra seeds, so adding or
+    removing an extra seed leaves every other run's folder (and the base runs of older ladders) in
+    place. An extra-seed arm's ``seed`` differs, which gives it folders of its own."""
+    return {k: v for k, v in to_dict(cfg).items() if k not in ("seeds", "seed_sizes")}
+
+
 @task(name="train-size", retries=0, cache_policy=NO_CACHE)
 def train_size(
     variant: str, specs: list[RunSpec], cfg: TrainingConfig, train_path: str, val_path: str, val_groups_path: str,
     out_dirs: list[str], stable_dir: str | None, parent: RunRef, preset: str, data_variant: str | None = None,
-    progress=None, data: tuple[DataRef, DataRef] | None = None,
+    progress=None, data: tuple[DataRef, DataRef] | None = None, val_docs_path: str | None = None,
+    extra_seed: bool = False,
 ) -> list[dict]:
     """Train one size's points of one series (every budget under WSD, one point under cosine), each in its
     own MLflow child run; returns their rows for reports/train.csv.
@@ -126,21 +147,26 @@ def train_size(
     ``variant`` labels the series (``raw``, or ``raw+repb`` for the RePB arm); ``data_variant`` is
     the curated corpus it trained on (default: ``variant``). ``data``: the (training, validation)
     token files as MLflow datasets, logged on every run; each trained model is logged as an MLflow
-    model (by reference) with its metrics, its id in the row's ``model_id``.
+    model (by reference) with its metrics, its id in the row's ``model_id``. ``val_docs_path``: each
+    validation token's document (``ensure_val_tokens``), so every run writes ``doc_losses.parquet``.
+    ``extra_seed``: ``cfg.seed`` is one of ``training.seeds``; the MLflow runs and logged models are
+    named with it (``train:raw:<run>:seed1``) so they never collide with the base seed's.
     """
+    tail = f":seed{cfg.seed}" if extra_seed else ""
     set_process_threads(cfg.num_threads)  # once per process: a no-op in the flow's own thread pool
     for d in out_dirs:
-        write_json(Path(d) / OWNER_FILE, {"preset": preset, "variant": variant})
+        write_json(Path(d) / OWNER_FILE, {"preset": preset, "variant": variant, "seed": cfg.seed})
     if stable_dir is not None:
-        write_json(Path(stable_dir) / OWNER_FILE, {"preset": preset, "variant": variant})
+        write_json(Path(stable_dir) / OWNER_FILE, {"preset": preset, "variant": variant, "seed": cfg.seed})
     train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
     val_groups = source_labels(Path(val_groups_path))
+    val_docs = load_tokens(val_docs_path, mmap=False) if val_docs_path else None
     with contextlib.ExitStack() as stack:
         runs, params = {}, {}
         for spec in specs:
             params[spec.name] = {
                 "stage": "train", "variant": variant, "data_variant": data_variant or variant, "preset": preset,
-                "run": spec.name, "n_params": spec.n_params, "n_params_nonembed": spec.n_params,
+                "run": spec.name, "seed": cfg.seed, "n_params": spec.n_params, "n_params_nonembed": spec.n_params,
                 "n_params_total": spec.n_params_total,
                 "tokens": spec.tokens, "arch": cfg.arch, "schedule": cfg.schedule, "lr": spec.lr,
                 "data_pruning": "repb" if cfg.repb.enabled else "none", "compute_budget": spec.compute_budget,
@@ -148,7 +174,7 @@ def train_size(
                 "steps": spec.steps,
             }
             runs[spec.name] = stack.enter_context(tracked_run(
-                f"train:{variant}:{spec.name}", uri=parent.uri, experiment=parent.experiment, parent=parent,
+                f"train:{variant}:{spec.name}{tail}", uri=parent.uri, experiment=parent.experiment, parent=parent,
                 params=params[spec.name], tags={"scalelab.stage": "train"}))
             if data is not None:
                 log_datasets(runs[spec.name], data[:1], "training")
@@ -162,10 +188,11 @@ def train_size(
 
         if stable_dir is not None:
             results = train_size_wsd(specs, cfg, train_tokens, val_tokens, out_dirs, stable_dir,
-                                     on_metrics=on_metrics, progress=bar, val_groups=val_groups)
+                                     on_metrics=on_metrics, progress=bar, val_groups=val_groups, val_docs=val_docs)
         else:
             results = [train_model(spec, cfg, train_tokens, val_tokens, Path(d), on_metrics=on_metrics(spec),
-                                   progress=bar(spec), val_groups=val_groups) for spec, d in zip(specs, out_dirs)]
+                                   progress=bar(spec), val_groups=val_groups, val_docs=val_docs)
+                       for spec, d in zip(specs, out_dirs)]
         rows = []
         for spec, result, out_dir in zip(specs, results, out_dirs):
             run = runs[spec.name]
@@ -186,8 +213,9 @@ def train_size(
             model_id = None
             if not result.diverged:  # a diverged run has no model
                 model_id = log_model_ref(
-                    run, f"{variant}-{spec.name}", {"kind": "trained", "model_dir": str(Path(out_dir).resolve())},
-                    key=f"{variant}/{spec.name}", model_type="scalelab-trained", params=params[spec.name],
+                    run, f"{variant}-{spec.name}{tail.replace(':', '-')}",
+                    {"kind": "trained", "model_dir": str(Path(out_dir).resolve())},
+                    key=f"{variant}/{spec.name}{tail.replace(':', '/')}", model_type="scalelab-trained", params=params[spec.name],
                     metrics={"val_loss": result.val_loss, "ppl": math.exp(result.val_loss)
                              if math.isfinite(result.val_loss) else None},
                     dataset=data[1] if data is not None else None)
@@ -195,6 +223,41 @@ def train_size(
                          "diverged": result.diverged, "diverged_reason": result.diverged_reason,
                          "history": history, "by_source": by_group, "model_id": model_id})
         return rows
+
+
+VAL_DOCS_COLUMNS = ("variant", "data_variant", "run", "seed", "n_params_total", "tokens_trained", "compute_budget",
+                    "doc", "source", "tokens", "loss_sum")
+
+
+def val_docs_table(rows: list[dict], out_dirs: list[Path], doc_sources: list[str]) -> pl.DataFrame:
+    """One row per (series, run, seed, validation document) with the run's summed loss on it.
+
+    ``rows`` (train_size's) pair with ``out_dirs``; diverged runs have no model and no rows.
+    ``doc_sources[d]`` is the corpus source of validation document ``d``. ``tokens`` counts the
+    document's scored targets and ``loss_sum`` their summed loss (nats); ``tokens_trained`` is the
+    run's D. Every (variant, seed) pair of a run scores the same documents, so two variants'
+    losses pair up on ``doc``.
+    """
+    schema = {"variant": pl.String, "data_variant": pl.String, "run": pl.String, "seed": pl.Int64,
+              "n_params_total": pl.Int64, "tokens_trained": pl.Int64, "compute_budget": pl.Float64,
+              "doc": pl.Int64, "source": pl.String, "tokens": pl.Int64, "loss_sum": pl.Float64}
+    sources = pl.Series("source", doc_sources, dtype=pl.String)
+    parts = []
+    for r, d in zip(rows, out_dirs):
+        if r["diverged"]:
+            continue
+        docs = read_doc_losses(d)
+        if len(docs) and int(docs["doc"].max()) >= len(sources):
+            raise ValueError(f"{d}: doc_losses.parquet names document {int(docs['doc'].max())}, but the validation "
+                             f"split has {len(sources)}; it was scored on another split, delete the folder to retrain")
+        parts.append(docs.select(
+            pl.lit(r["variant"]).alias("variant"), pl.lit(r.get("data_variant") or r["variant"]).alias("data_variant"),
+            pl.lit(r["run"]).alias("run"), pl.lit(r["seed"]).alias("seed"),
+            pl.lit(r["n_params_total"]).alias("n_params_total"), pl.lit(r["tokens"]).alias("tokens_trained"),
+            pl.lit(r.get("compute_budget")).alias("compute_budget"), pl.col("doc"),
+            sources.gather(docs["doc"]).alias("source"), pl.col("tokens"), pl.col("loss_sum"),
+        ).cast(schema))
+    return pl.concat(parts) if parts else pl.DataFrame(schema=schema)
 
 
 def register_best_models(run, rows: list[dict]) -> dict[str, str]:
@@ -272,13 +335,14 @@ def train_flow(
     set_process_threads(cfg.num_threads)  # per process, before the thread pool starts
     with stage_run(ctx, "train", cfg) as run:
         tokenizer = ensure_tokenizer(ctx, cfg)
-        val_path, val_groups = ensure_val_tokens(tokenizer, layout.prepared / "val.parquet", layout.tokens / "val.npy",
-                                                 layout.tokenizer)
+        val_path, val_groups, val_docs = ensure_val_tokens(tokenizer, layout.prepared / "val.parquet",
+                                                           layout.tokens / "val.npy", layout.tokenizer)
         variants = curated_variants(layout.curated, cfg.variants)
         not_trained = [v for v in cfg.repb.compare if v not in variants]
         if not_trained:
             raise ValueError(f"training.repb.compare names {not_trained[0]!r}, not among the trained variants {variants}")
         specs = ladder(cfg)
+        seeded = seed_sizes(cfg, specs)  # the sizes the extra seeds retrain; raises naming seed_sizes
         jobs, keep_dirs, labels = [], set(), set()
         val_ref = data_ref(ctx.workdir, val_path, "val")
         for variant in variants:
@@ -291,21 +355,37 @@ def train_flow(
             for suffix, arm_cfg in repb_arms(cfg, variant):
                 label = variant + suffix
                 labels.add(label)
-                for group in size_jobs(cfg, specs):
-                    # Keyed by what made it, so a changed config or corpus never reuses a stale result.
-                    out_dirs = [layout.trained / label / f"{spec.name}-{config_hash(arm_cfg, spec, digest)}" for spec in group]
-                    stable = None
-                    if cfg.schedule == "wsd":
-                        stable = layout.trained / label / f"stable-{group[0].size}-{config_hash(arm_cfg, group[0].size, digest)}"
-                        keep_dirs.add(stable)
-                    keep_dirs.update(out_dirs)
-                    jobs.append(dict(variant=label, data_variant=variant, specs=group, cfg=arm_cfg,
-                                     train_path=str(train_path), val_path=str(val_path),
-                                     val_groups_path=str(val_groups), out_dirs=[str(d) for d in out_dirs],
-                                     stable_dir=str(stable) if stable else None, data=data))
-        rows = run_ladder(ctx, cfg, jobs, run.ref())
+                # Extra seeds retrain the plain arm only: RePB's comparison arm stays base-seed.
+                for seed in (arm_cfg.seed, *(cfg.seeds if not suffix else ())):
+                    extra = seed != arm_cfg.seed
+                    seed_cfg = dataclasses.replace(arm_cfg, seed=seed, seeds=(), seed_sizes=()) if extra else arm_cfg
+                    key = folder_key(seed_cfg)
+                    for group in size_jobs(cfg, specs):
+                        if extra and group[0].size not in seeded:
+                            continue
+                        # Keyed by what made it, so a changed config or corpus never reuses a stale result.
+                        out_dirs = [layout.trained / label / f"{spec.name}-{config_hash(key, spec, digest)}" for spec in group]
+                        stable = None
+                        if cfg.schedule == "wsd":
+                            stable = layout.trained / label / f"stable-{group[0].size}-{config_hash(key, group[0].size, digest)}"
+                            keep_dirs.add(stable)
+                        keep_dirs.update(out_dirs)
+                        jobs.append(dict(variant=label, data_variant=variant, specs=group, cfg=seed_cfg,
+                                         train_path=str(train_path), val_path=str(val_path),
+                                         val_groups_path=str(val_groups), val_docs_path=str(val_docs),
+                                         out_dirs=[str(d) for d in out_dirs], extra_seed=extra,
+                                         stable_dir=str(stable) if stable else None, data=data))
+        all_rows = run_ladder(ctx, cfg, jobs, run.ref())
         for d in remove_stale_models(layout.trained, labels, ctx.preset, keep_dirs):
             print(f"train: removed {d} (this preset's output of an older ladder)")
+        # Model folders relative to the workdir, so the table stays valid in a moved copy (dvc exp --temp).
+        all_dirs = [Path(d) for job in jobs for d in job["out_dirs"]]
+        for r, d in zip(all_rows, all_dirs):
+            r["model_dir"] = str(d.relative_to(ctx.workdir))
+        # Extra-seed runs go to train_seeds.csv only: every stage downstream reads train.csv as one
+        # run per ladder point, and the registry's best-per-budget models stay base-seed models.
+        rows = [r for r in all_rows if r["seed"] == cfg.seed]
+        seed_rows = [r for r in all_rows if r["seed"] != cfg.seed]
         curves = [
             {"variant": r["variant"], "run": r["run"], "n_params": r["n_params"], "n_params_total": r["n_params_total"],
              "step": h[0], "train_loss": h[1], "val_loss": h[2]}
@@ -313,23 +393,28 @@ def train_flow(
         ]
         by_source = [{"run": r["run"], "variant": r["variant"], "source": src, "tokens": v["tokens"],
                       "val_loss": v["val_loss"]} for r in rows for src, v in sorted(r["by_source"].items())]
-        # Model folders relative to the workdir, so the table stays valid in a moved copy (dvc exp --temp).
-        out_dirs = [d for job in jobs for d in job["out_dirs"]]
-        for r, d in zip(rows, out_dirs):
-            r["model_dir"] = str(Path(d).relative_to(ctx.workdir))
         aliases = register_best_models(run, rows)
-        table = [{k: v for k, v in r.items() if k not in ("history", "by_source", "stage", "preset", "model_id")}
-                 for r in rows]
+        frame = pl.DataFrame([{k: v for k, v in r.items() if k not in ("history", "by_source", "stage", "preset", "model_id")}
+                              for r in all_rows], infer_schema_length=None)
+        table = frame.filter(pl.col("seed") == cfg.seed)
         write_table(ctx, "train", table, run)
+        # same columns as train.csv, header only when there are no extra seeds (a DVC out always exists)
+        write_table(ctx, "train_seeds", frame.filter(pl.col("seed") != cfg.seed), run)
         publish_table(run, "train", ctx.preset, train_table(rows, aliases),
                       "Training: the best run of each series per budget, registered in the MLflow Model Registry",
                       f"{len(rows)} runs; all of them in reports/train.csv and the MLflow Models tab.")
         write_table(ctx, "train_curves", curves, run)
         write_table(ctx, "val_by_source", by_source, run)
+        doc_sources = pl.read_parquet(layout.prepared / "val.parquet", columns=["source"])["source"].to_list()
+        with atomic_path(layout.reports / "val_docs.parquet") as tmp:
+            val_docs_table(all_rows, all_dirs, doc_sources).write_parquet(tmp)
+        run.log_artifact(layout.reports / "val_docs.parquet", "reports")
         diverged = [r["run"] for r in rows if r["diverged"]]
         multi_epoch = [r["run"] for r in rows if r["epochs"] > 1]
-        run.log_metrics({"runs": len(rows), "diverged_runs": len(diverged), "multi_epoch_runs": len(multi_epoch)})
+        run.log_metrics({"runs": len(rows), "seed_runs": len(seed_rows), "diverged_runs": len(diverged),
+                         "multi_epoch_runs": len(multi_epoch)})
         print(f"train: {len(rows)} runs over {len(variants)} variants -> {layout.reports / 'train.csv'}"
+              + (f"; {len(seed_rows)} extra-seed runs -> {layout.reports / 'train_seeds.csv'}" if seed_rows else "")
               + (f"; {len(diverged)} diverged" if diverged else "")
               + (f"; WARNING {len(multi_epoch)} runs above 1 epoch" if multi_epoch else ""))
-        return table
+        return table.to_dicts()

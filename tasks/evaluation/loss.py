@@ -2,8 +2,9 @@
 
 Shared by training (validation loss), compression and sparse evaluation, so their numbers are
 directly comparable: same windows, same reduction, same precision rule. :func:`token_losses` keeps
-every prediction's loss so a caller can split the validation loss by source (:func:`loss_by_group`,
-with :func:`target_indices` aligning losses to the tokens they score).
+every prediction's loss so a caller can split the validation loss by source (:func:`loss_by_group`)
+or by document (:func:`loss_by_document`), with :func:`target_indices` aligning losses to the
+tokens they score.
 """
 
 from __future__ import annotations
@@ -156,3 +157,33 @@ def loss_by_group(losses: np.ndarray, groups: np.ndarray) -> dict:
         (lab.item() if isinstance(lab, np.generic) else lab): (int(n), float(t / n))
         for lab, n, t in zip(labels, counts, sums)
     }
+
+
+def loss_by_document(losses: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scored-token count and summed loss per document: ``(doc, tokens, loss_sum)``.
+
+    ``losses``: ``(M,)`` per-token losses (:func:`token_losses`); ``docs``: ``(M,)`` non-negative
+    integer document index of each scored *target* token (index the token-level document index of
+    :func:`tasks.training.tokenizer.encode_corpus_segments` with :func:`target_indices`). Returns
+    three arrays of one entry per document with at least one scored target, in increasing ``doc``
+    order: ``doc`` int64, ``tokens`` int64, ``loss_sum`` float64 nats (``sum_{t in doc} l_t``).
+    Sums, not means, so a paired difference between two models bootstraps over documents with
+    each document weighted by its tokens, and ``loss_sum.sum() / tokens.sum()`` is
+    ``losses.mean()`` (the full-split loss) up to float64 rounding.
+
+    >>> loss_by_document(np.array([1.0, 3.0, 2.0]), np.array([4, 4, 7]))
+    (array([4, 7]), array([2, 1]), array([4., 2.]))
+    """
+    losses = np.asarray(losses, dtype=np.float64)
+    docs = np.asarray(docs)
+    if losses.ndim != 1 or docs.shape != losses.shape:
+        raise ValueError(f"docs: need one document index per loss, got shapes {docs.shape} and {losses.shape}")
+    if docs.size and (not np.issubdtype(docs.dtype, np.integer) or int(docs.min()) < 0):
+        raise ValueError(f"docs: need non-negative integer document indices, got dtype {docs.dtype}")
+    if losses.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64)
+    docs = docs.astype(np.int64)
+    counts = np.bincount(docs)
+    sums = np.bincount(docs, weights=losses)
+    present = np.flatnonzero(counts)
+    return present.astype(np.int64), counts[present].astype(np.int64), sums[present].astype(np.float64)

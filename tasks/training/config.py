@@ -141,6 +141,14 @@ class TrainingConfig:
     ``d_model`` of ``sizes``); a rung of width d trains at ``lr * (lr_ref_width / d) **
     lr_width_exponent`` (0 = one lr for all). ``scalelab lr-sweep`` measures the best lr at the
     smallest and largest size and writes both fields into params/training.yaml.
+
+    **Seeds.** ``seed`` sets a run's initialisation (``build_model``) and data order
+    (``WindowSampler``). ``seeds`` lists extra seeds: each trains the ladder's points again with
+    ``seed`` replaced, so a data intervention's effect can be set against seed-to-seed noise.
+    ``seed_sizes`` (size tags such as ``d48_l2``, :attr:`ModelShape.tag`) limits the extra seeds to
+    those sizes (empty: every size); under WSD a seed covers a whole size, its stable run and every
+    cooldown branch. Extra-seed runs are reported beside the ladder (``reports/train_seeds.csv``),
+    never in it, so the fits see one run per point.
     """
 
     vocab_size: int = 4096  # the tokenizer's size; the tokenizer is trained to exactly this
@@ -172,6 +180,8 @@ class TrainingConfig:
     log_interval: int = 10  # steps between on_metrics calls / history points
     checkpoint_interval: int = 200  # steps between resumable checkpoints; 0 disables them
     seed: int = 0
+    seeds: tuple[int, ...] = ()  # extra training seeds, each a whole re-run of its sizes; empty: none
+    seed_sizes: tuple[str, ...] = ()  # size tags the extra seeds train; empty: every size
     compile: bool = False  # torch.compile the model (worth it on GPU for the larger rungs)
     # torch intra-op threads of each training process (set once per process by the train flow or
     # a Ray worker, never toggled inside a task); 0 leaves torch's setting.
@@ -226,6 +236,17 @@ class TrainingConfig:
                 f"must be >= 0 (0 disables), got {self.checkpoint_interval}")
         require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0 = torch's default), got {self.num_threads}")
         require(len(set(self.variants)) == len(self.variants), "variants", f"has duplicates: {self.variants}")
+        require(all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.seeds), "seeds",
+                f"must be non-negative integers (numpy seeds), got {self.seeds}")
+        require(len(set(self.seeds)) == len(self.seeds), "seeds", f"has duplicates: {self.seeds}")
+        require(self.seed not in self.seeds, "seeds",
+                f"lists {self.seed}, which is `seed` (the base run); extra seeds must differ from it")
+        require(len(set(self.seed_sizes)) == len(self.seed_sizes), "seed_sizes", f"has duplicates: {self.seed_sizes}")
+        unknown = [t for t in self.seed_sizes if t not in tags]
+        require(not unknown, "seed_sizes", f"names {unknown[:1]}, not a size of the ladder; sizes are {tags}")
+        require(not self.seed_sizes or bool(self.seeds), "seed_sizes",
+                f"is {list(self.seed_sizes)} but seeds is empty: extra seeds that cover no point; "
+                "add seeds or clear seed_sizes")
 
     @property
     def tokens_per_step(self) -> int:

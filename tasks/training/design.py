@@ -121,6 +121,23 @@ def ladder(cfg: TrainingConfig) -> list[RunSpec]:
     return sorted(specs, key=lambda s: (s.n_params_total, s.tokens))
 
 
+def seed_sizes(cfg: TrainingConfig, specs: list[RunSpec]) -> list[str]:
+    """Size tags the extra ``seeds`` retrain, in ladder order (empty when ``seeds`` is).
+
+    Every size of ``specs`` when ``seed_sizes`` is empty. Raises ``ValueError`` naming
+    ``seed_sizes`` when one of its sizes has no point in the ladder (an IsoFLOP design need not
+    train every size), since those extra seeds would cover no point.
+    """
+    if not cfg.seeds:
+        return []
+    have = list(dict.fromkeys(s.size for s in specs))
+    empty = [t for t in cfg.seed_sizes if t not in have]
+    if empty:
+        raise ValueError(f"seed_sizes: {empty[0]!r} has no point in the ladder, so its extra seeds would cover "
+                         f"no point; sizes with points: {have}")
+    return [t for t in have if not cfg.seed_sizes or t in cfg.seed_sizes]
+
+
 def cosine_warmup_steps(total_steps: int, warmup_frac: float) -> int:
     return min(total_steps - 1, math.ceil(warmup_frac * total_steps)) if warmup_frac > 0 else 0
 

@@ -18,7 +18,16 @@ Outputs in ``out_dir``::
     config.json          resolved TrainingConfig + HF model config + spec + arch (written first)
     checkpoint/          state-<step>.safetensors + state-<step>.json while the run is in progress
     model.safetensors    final weights
+    doc_losses.parquet   the final model's loss per validation document (doc, tokens, loss_sum),
+                         when the caller gave each validation token's document; written before
+                         result.json, so a complete run always has it
     result.json          TrainResult; its presence marks the run complete (a sweep skips it)
+
+The point's ``val_loss`` is the final model's mean loss over the *whole* validation split, scored
+once at the end (:func:`tasks.evaluation.loss.token_losses` with no token limit); that one pass
+also gives the per-source and per-document losses. The curve in ``history`` (and every
+``val_loss`` passed to ``on_metrics``) stays on the first ``eval_tokens``, which is cheap to
+score every ``eval_interval`` steps.
 
 A run whose training or validation loss turns NaN/inf stops there and is recorded with
 ``diverged: true`` and no loss (it is excluded from the fits, and the rest of the ladder goes on).
@@ -40,13 +49,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+import polars as pl
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tasks.common.config import to_dict
 from tasks.common.faults import fault_point
 from tasks.common.io import atomic_path, read_json, write_json
-from tasks.evaluation.loss import evaluate_loss, perplexity
+from tasks.evaluation.loss import evaluate_loss, loss_by_document, loss_by_group, perplexity, target_indices, token_losses
 from tasks.training.config import TrainingConfig
 from tasks.training.design import RunSpec, ladder, lr_at, run_name, stable_steps  # noqa: F401  (re-exported)
 from tasks.training.model import build_model, peak_flops
@@ -113,8 +123,10 @@ class WindowSampler:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainResult:
-    """One trained point. ``tokens`` is D actually trained; ``val_loss`` the final validation loss
-    (nats; None when the run diverged).
+    """One trained point. ``tokens`` is D actually trained; ``val_loss`` the final model's mean
+    validation loss over the whole validation split (nats; None when the run diverged), over
+    ``val_tokens`` scored targets (whole windows of ``seq_len``); ``history``'s validation losses
+    are on the first ``eval_tokens`` only, so its last entry differs from ``val_loss``.
 
     Accounting (one convention, :func:`tasks.training.model.model_flops_per_token`):
     ``n_params`` non-embedding N, ``n_params_total`` every weight, ``flops_total`` =
@@ -144,6 +156,7 @@ class TrainResult:
     schedule: str
     shared_steps: int = 0
     compute_budget: float | None = None
+    val_tokens: int | None = None
     diverged: bool = False
     diverged_reason: str | None = None
     val_loss_by_group: dict[str, dict[str, float]] | None = None
@@ -163,8 +176,9 @@ class TrainResult:
         return cls(**kw)
 
 
+# The extra seeds are other runs (each trains with ``seed`` replaced), not a change to this one.
 _NOT_IN_FINGERPRINT = ("sizes", "token_budgets", "compute_budgets", "sizes_per_budget", "tokens_per_param_guess",
-                       "variants", "checkpoint_interval", "compile", "num_threads")
+                       "variants", "checkpoint_interval", "compile", "num_threads", "seeds", "seed_sizes")
 
 
 def run_fingerprint(spec: RunSpec, cfg: TrainingConfig) -> str:
@@ -311,12 +325,15 @@ class _Trainer:
     """
 
     def __init__(self, spec: RunSpec, cfg: TrainingConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
-                 device: torch.device | str | None, val_groups: np.ndarray | None = None) -> None:
+                 device: torch.device | str | None, val_groups: np.ndarray | None = None,
+                 val_docs: np.ndarray | None = None) -> None:
         for label, arr in (("train_tokens", train_tokens), ("val_tokens", val_tokens)):
             if len(arr) and int(np.max(arr)) >= cfg.vocab_size:
                 raise ValueError(f"{label}: token id {int(np.max(arr))} >= vocab_size {cfg.vocab_size}")
         self.spec, self.cfg = spec, cfg
         self.train_tokens, self.val_tokens, self.val_groups = train_tokens, val_tokens, val_groups
+        self.val_docs = val_docs
+        self.doc_losses: pl.DataFrame | None = None  # set by result() when val_docs is given
         self.device = _resolve_device(device)
         self.sampler = WindowSampler(len(train_tokens), cfg.seq_len, cfg.seed)
         self.model = build_model(spec.shape, cfg.vocab_size, cfg.seq_len, cfg.arch, cfg.seed).to(self.device)
@@ -506,11 +523,14 @@ class _Trainer:
         available = self.sampler.n_windows * cfg.seq_len
         peak = peak_flops(self.device)
         tps = self.tokens_per_s()
-        val = None if self.diverged else self.val_loss
-        by_group = None
-        if val is not None and self.val_groups is not None:
-            by_group = val_loss_by_group(self.model, self.val_tokens, self.val_groups, cfg.seq_len,
-                                         cfg.batch_size, self.device)
+        val, n_val, by_group = None, None, None
+        if not self.diverged:
+            full = score_validation(self.model, self.val_tokens, cfg.seq_len, cfg.batch_size, self.device,
+                                    val_groups=self.val_groups, val_docs=self.val_docs)
+            if math.isfinite(full.val_loss):
+                val, n_val, by_group, self.doc_losses = full.val_loss, full.val_tokens, full.by_group, full.doc_losses
+            else:
+                self.diverged = f"full-split validation loss {full.val_loss} at step {self.step}"
         return TrainResult(
             name=spec.name, n_params=spec.n_params, n_params_total=spec.n_params_total, tokens=d, steps=spec.steps,
             val_loss=val, ppl=perplexity(val) if val is not None else None, tokens_per_s=tps,
@@ -519,20 +539,68 @@ class _Trainer:
             mfu=(spec.flops_per_token * tps / peak) if peak else None,
             epochs=d / available, unique_tokens=min(d, available), train_tokens_available=available,
             lr=spec.lr, schedule=cfg.schedule, shared_steps=spec.decay_start if cfg.schedule == "wsd" else 0,
-            compute_budget=spec.compute_budget, diverged=self.diverged is not None, diverged_reason=self.diverged,
+            compute_budget=spec.compute_budget, val_tokens=n_val,
+            diverged=self.diverged is not None, diverged_reason=self.diverged,
             val_loss_by_group=by_group, history=self.history,
             repb_kept_frac=self.selector.kept_fraction if self.selector is not None else None,
         )
 
 
-def val_loss_by_group(model: nn.Module, val_tokens: np.ndarray, val_groups: np.ndarray, seq_len: int,
-                      batch_size: int, device: torch.device) -> dict[str, dict[str, float]]:
-    """``{group: {"tokens": n, "val_loss": mean nats}}`` over every validation token (its source)."""
-    from tasks.evaluation.loss import loss_by_group, target_indices, token_losses
+DOC_LOSSES_FILE = "doc_losses.parquet"
 
+
+@dataclass(frozen=True, kw_only=True)
+class ValidationScore:
+    """A model scored once over the whole validation split (:func:`score_validation`)."""
+
+    val_loss: float  # mean nats over every scored target
+    val_tokens: int  # scored targets: whole windows of seq_len
+    by_group: dict[str, dict[str, float]] | None  # {label: {"tokens": n, "val_loss": mean}}
+    doc_losses: pl.DataFrame | None  # doc (int64), tokens (int64), loss_sum (float64 nats)
+
+
+def score_validation(model: nn.Module, val_tokens: np.ndarray, seq_len: int, batch_size: int,
+                     device: torch.device | str | None, *, val_groups: np.ndarray | None = None,
+                     val_docs: np.ndarray | None = None) -> ValidationScore:
+    """One forward pass over every validation token: the full-split mean loss, and from the same
+    per-token losses the loss per group label and per document.
+
+    ``val_groups`` / ``val_docs``: shape of ``val_tokens``, a label (source) / document index per
+    token; each scored loss is attributed to the token it predicts (:func:`target_indices`).
+    Per document (:func:`tasks.evaluation.loss.loss_by_document`) the table keeps sums, so
+    ``doc_losses["loss_sum"].sum() / doc_losses["tokens"].sum() == val_loss`` up to rounding.
+    """
     losses = token_losses(model, val_tokens, seq_len, batch_size, None, device)
-    groups = np.asarray(val_groups)[target_indices(len(losses))]  # labels of the scored targets
-    return {str(k): {"tokens": int(n), "val_loss": float(v)} for k, (n, v) in loss_by_group(losses, groups).items()}
+    targets = target_indices(len(losses))
+    by_group = doc_losses = None
+    if val_groups is not None:
+        groups = np.asarray(val_groups)[targets]
+        by_group = {str(k): {"tokens": int(n), "val_loss": float(v)}
+                    for k, (n, v) in loss_by_group(losses, groups).items()}
+    if val_docs is not None:
+        doc, tokens, loss_sum = loss_by_document(losses, np.asarray(val_docs)[targets])
+        doc_losses = pl.DataFrame({"doc": doc, "tokens": tokens, "loss_sum": loss_sum},
+                                  schema={"doc": pl.Int64, "tokens": pl.Int64, "loss_sum": pl.Float64})
+    return ValidationScore(val_loss=float(losses.sum() / losses.size), val_tokens=int(losses.size),
+                           by_group=by_group, doc_losses=doc_losses)
+
+
+def write_doc_losses(path: str | Path, frame: pl.DataFrame) -> Path:
+    """Write a run's per-document losses (``doc, tokens, loss_sum``) atomically as Parquet."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        frame.write_parquet(tmp)
+    return path
+
+
+def read_doc_losses(out_dir: str | Path) -> pl.DataFrame:
+    """A trained run's ``doc_losses.parquet``; ``FileNotFoundError`` naming the folder when absent
+    (a diverged run, or a run trained without each validation token's document)."""
+    path = Path(out_dir) / DOC_LOSSES_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{Path(out_dir)}: no {DOC_LOSSES_FILE}; train it again with the validation "
+                                "split's document index (the train flow passes it), or delete the folder")
+    return pl.read_parquet(path)
 
 
 def train_model(
@@ -547,6 +615,7 @@ def train_model(
     device: torch.device | str | None = None,
     init_checkpoint: str | Path | None = None,
     val_groups: np.ndarray | None = None,
+    val_docs: np.ndarray | None = None,
 ) -> TrainResult:
     """Train ``spec`` on ``train_tokens`` (flat token stream, shape (n,)), validate on ``val_tokens``.
 
@@ -554,9 +623,12 @@ def train_model(
     next-token cross-entropy (RePB-weighted over the whole step when ``cfg.repb.enabled``),
     global-norm clipping, AdamW (fused on CUDA) at :func:`lr_at`. bf16 autocast on CUDA, fp32 on
     CPU. Validation loss (:func:`tasks.evaluation.loss.evaluate_loss` on the first ``eval_tokens``)
-    every ``eval_interval`` steps and at the end; the last one is the point's loss.
+    every ``eval_interval`` steps and at the end (the curve); the point's ``val_loss`` is the final
+    model's mean over the whole validation split (:func:`score_validation`, one pass).
     ``val_groups`` (shape of ``val_tokens``, a label per token such as its source) adds the final
-    model's loss per label over every validation token (``val_loss_by_group``).
+    model's loss per label over every validation token (``val_loss_by_group``); ``val_docs`` (shape
+    of ``val_tokens``, each token's document index) writes its loss per document to
+    ``out_dir/doc_losses.parquet`` before ``result.json``.
 
     ``init_checkpoint`` (a WSD branch): when the run has no checkpoint of its own, start from this
     stable-run checkpoint folder (its step must be ``spec.decay_start``) instead of step 0.
@@ -565,6 +637,11 @@ def train_model(
     ``log_interval`` steps, plus ``val_loss`` when evaluated; ``progress(step, total_steps)`` after
     every step. Resumes from ``out_dir/checkpoint`` when present; returns the stored result without
     training when ``out_dir/result.json`` exists (raises if it came from a different config).
+
+    A stored result from before the full-split scoring (no ``val_tokens``), or without
+    ``doc_losses.parquet`` when ``val_docs`` is given, is rescored from its ``model.safetensors``
+    (one pass over the validation split, no training) and its ``result.json`` rewritten with the
+    full-split ``val_loss``: the weights are the same run's, only the scoring was older.
     """
     out_dir = Path(out_dir)
     fingerprint = run_fingerprint(spec, cfg)
@@ -574,9 +651,12 @@ def train_model(
         if stored.get("fingerprint") != fingerprint:
             raise ValueError(f"{result_path}: written by a different config or spec "
                              f"({stored.get('fingerprint')} != {fingerprint}); delete {out_dir} to retrain")
-        return TrainResult.from_dict(stored)
+        stale = stored.get("val_tokens") is None or (val_docs is not None and not (out_dir / DOC_LOSSES_FILE).exists())
+        if stored.get("diverged") or not stale:
+            return TrainResult.from_dict(stored)
+        return _rescore_stored(out_dir, stored, val_tokens, device, val_groups=val_groups, val_docs=val_docs)
 
-    trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device, val_groups)
+    trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device, val_groups, val_docs)
     ckpt_dir = out_dir / "checkpoint"
     config_path = out_dir / "config.json"
     if config_path.exists() and read_json(config_path).get("fingerprint") != fingerprint:
@@ -597,9 +677,27 @@ def train_model(
         with atomic_path(out_dir / "model.safetensors") as tmp:
             save_file({k: v.detach().cpu().contiguous() for k, v in trainer.model.state_dict().items()}, str(tmp),
                       metadata={"format": "pt", "name": spec.name})
+        if trainer.doc_losses is not None:
+            write_doc_losses(out_dir / DOC_LOSSES_FILE, trainer.doc_losses)
     write_json(result_path, {**result.to_dict(), "fingerprint": fingerprint})
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return result
+
+
+def _rescore_stored(out_dir: Path, stored: dict[str, Any], val_tokens: np.ndarray,
+                    device: torch.device | str | None, *, val_groups: np.ndarray | None,
+                    val_docs: np.ndarray | None) -> TrainResult:
+    """Score a complete run's saved model over the whole validation split; rewrite its records."""
+    model, meta = load_model(out_dir, _resolve_device(device))
+    score = score_validation(model, val_tokens, meta["seq_len"], meta["training"]["batch_size"], device,
+                             val_groups=val_groups, val_docs=val_docs)
+    if score.doc_losses is not None:
+        write_doc_losses(out_dir / DOC_LOSSES_FILE, score.doc_losses)
+    updated = {**stored, "val_loss": score.val_loss, "ppl": perplexity(score.val_loss), "val_tokens": score.val_tokens}
+    if score.by_group is not None:
+        updated["val_loss_by_group"] = score.by_group
+    write_json(out_dir / "result.json", updated)
+    return TrainResult.from_dict(updated)
 
 
 def train_stable(spec: RunSpec, cfg: TrainingConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
@@ -645,7 +743,7 @@ def train_size_wsd(specs: list[RunSpec], cfg: TrainingConfig, train_tokens: np.n
                    on_metrics: Callable[[RunSpec], MetricsCallback | None] | None = None,
                    progress: Callable[[RunSpec], ProgressCallback | None] | None = None,
                    device: torch.device | str | None = None, val_groups: np.ndarray | None = None,
-                   keep_stable: bool = False) -> list[TrainResult]:
+                   val_docs: np.ndarray | None = None, keep_stable: bool = False) -> list[TrainResult]:
     """Every budget of one size under WSD: one stable run, then a cooldown branch per budget.
 
     ``specs`` (one shape) and ``out_dirs`` pair up. Branches whose result exists are skipped; when
@@ -668,7 +766,7 @@ def train_size_wsd(specs: list[RunSpec], cfg: TrainingConfig, train_tokens: np.n
         results.append(train_model(spec, cfg, train_tokens, val_tokens, out_dir, init_checkpoint=init,
                                    on_metrics=on_metrics(spec) if on_metrics else None,
                                    progress=progress(spec) if progress else None, device=device,
-                                   val_groups=val_groups))
+                                   val_groups=val_groups, val_docs=val_docs))
     if not keep_stable:
         shutil.rmtree(Path(stable_dir) / "branches", ignore_errors=True)
     return results

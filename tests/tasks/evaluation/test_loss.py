@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.evaluation.loss import evaluate_loss, evaluation_windows, loss_by_group, target_indices, token_losses
+from tasks.evaluation.loss import (evaluate_loss, evaluation_windows, loss_by_document, loss_by_group, target_indices,
+                                   token_losses)
 from tasks.training.config import ModelShape
 from tasks.training.model import build_model
 
@@ -146,3 +147,22 @@ def test_loss_by_group_shapes_and_labels():
     assert loss_by_group(np.zeros(0), np.zeros(0, dtype=np.int64)) == {}
     with pytest.raises(ValueError, match="groups"):
         loss_by_group(np.zeros(3), np.zeros(4))
+
+
+def test_loss_by_document_sums_each_documents_scored_targets():
+    losses = np.array([0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
+    docs = np.array([3, 3, 0, 3, 7, 7], dtype=np.int32)  # document 3 is split around document 0
+    doc, tokens, loss_sum = loss_by_document(losses, docs)
+    assert doc.tolist() == [0, 3, 7] and tokens.tolist() == [1, 3, 2]
+    assert loss_sum.tolist() == [2.0, 5.5, 24.0] and loss_sum.dtype == np.float64
+    # documents with no scored target (1, 2, 4..6) are absent, never a 0.0 loss
+    assert loss_sum.sum() / tokens.sum() == pytest.approx(losses.mean(), rel=1e-15)
+    empty = loss_by_document(np.zeros(0), np.zeros(0, dtype=np.int64))
+    assert [len(a) for a in empty] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("docs", [np.array([0, 1]), np.array([0, -1, 2]), np.array([0.0, 1.0, 2.0])],
+                         ids=["short", "negative", "float"])
+def test_loss_by_document_refuses_misaligned_or_bad_indices(docs):
+    with pytest.raises(ValueError, match="docs"):
+        loss_by_document(np.ones(3), docs)

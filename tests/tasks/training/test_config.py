@@ -8,6 +8,7 @@ import pytest
 from tasks.common.config import ConfigError, from_mapping
 from tasks.common.params import PRESETS, load_stage_config
 from tasks.training.config import ModelShape, RePBConfig, TrainingConfig
+from tasks.training.design import seed_sizes
 from tasks.training.loop import ladder
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -67,6 +68,33 @@ def test_model_shape_rejects(kwargs, field):
 def test_training_config_rejects(change, field):
     with pytest.raises(ValueError, match=field):
         tiny_config(**change)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(seeds=(1, 1)), r"seeds.*duplicates"),
+    (dict(seed=3, seeds=(1, 3)), r"seeds.*lists 3, which is `seed`"),
+    (dict(seeds=(-1,)), r"seeds.*non-negative"),
+    (dict(seeds=(1,), seed_sizes=("d48_l2",)), r"seed_sizes.*\['d48_l2'\].*sizes are \['d32_l1'\]"),
+    (dict(seeds=(1,), seed_sizes=("d32_l1", "d32_l1")), r"seed_sizes.*duplicates"),
+    (dict(seed_sizes=("d32_l1",)), r"seed_sizes.*seeds is empty.*cover no point"),
+], ids=["duplicate", "equals-seed", "negative", "unknown-size", "duplicate-size", "no-seeds"])
+def test_seed_config_errors_name_the_key(change, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(**change)
+
+
+def test_seed_sizes_must_have_a_point_in_the_ladder():
+    """An IsoFLOP design may train no point of a size; extra seeds on it would cover nothing."""
+    shapes = tuple(ModelShape(d_model=d, n_layers=1, n_heads=2) for d in (8, 16, 32, 64))
+    cfg = tiny_config(sizes=shapes, token_budgets=(), compute_budgets=(1e9,), sizes_per_budget=2, seeds=(1,))
+    have = sorted({s.size for s in ladder(cfg)}, key=lambda t: int(t[1:].split("_")[0]))
+    missing = next(s.tag for s in shapes if s.tag not in have)
+    assert set(seed_sizes(cfg, ladder(cfg))) == set(have)  # empty seed_sizes: every size with a point
+    picked = dataclasses.replace(cfg, seed_sizes=(have[0],))
+    assert seed_sizes(picked, ladder(picked)) == [have[0]]
+    with pytest.raises(ValueError, match=rf"seed_sizes: '{missing}' has no point in the ladder"):
+        seed_sizes(dataclasses.replace(cfg, seed_sizes=(missing,)), ladder(cfg))
+    assert seed_sizes(dataclasses.replace(cfg, seeds=()), ladder(cfg)) == []
 
 
 def test_repb_config_rejects_bad_ratio():

@@ -5,13 +5,14 @@ import json
 import math
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 from training_fixtures import markov_tokens, tiny_config
 
-from tasks.evaluation.loss import evaluate_loss
+from tasks.evaluation.loss import evaluate_loss, target_indices, token_losses
 from tasks.training.design import cosine_warmup_steps
-from tasks.training.loop import TrainResult, WindowSampler, ladder, load_model, lr_at, train_model
+from tasks.training.loop import TrainResult, WindowSampler, ladder, load_model, lr_at, read_doc_losses, train_model
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +37,17 @@ def trained(data, tmp_path_factory):
 # Pinned from one run of `trained` on CPU (torch 2.13.0, transformers 5.24.0, fp32). The run is
 # deterministic; the tolerance covers float summation-order differences between CPU builds and
 # thread counts. A change here means the init, data order, schedule, optimizer or loss changed.
-GOLDEN_VAL_LOSS = 5.083845471578931
+# GOLDEN_CURVE_VAL_LOSS is the last curve point (first eval_tokens), the point's val_loss before it
+# was scored over the whole split; GOLDEN_VAL_LOSS is the full-split val_loss of the same weights.
+GOLDEN_CURVE_VAL_LOSS = 5.083845471578931
+GOLDEN_VAL_LOSS = 5.07292705688339
 
 
 def test_golden_final_loss(trained):
     _, _, _, result, _, _ = trained
+    assert result.history[-1][2] == pytest.approx(GOLDEN_CURVE_VAL_LOSS, rel=1e-4)
     assert result.val_loss == pytest.approx(GOLDEN_VAL_LOSS, rel=1e-4)
+    assert result.val_tokens == ((10_000 - 1) // 32) * 32  # every whole window of the 10k-token split
 
 
 def test_loss_goes_down(trained):
@@ -50,7 +56,7 @@ def test_loss_goes_down(trained):
     trains = [t for _, t, _ in result.history]
     assert vals == sorted(vals, reverse=True) and vals[-1] < math.log(256) - 0.4
     assert trains[-1] < trains[0] - 0.3
-    assert result.val_loss == vals[-1] and result.ppl == pytest.approx(math.exp(result.val_loss))
+    assert result.ppl == pytest.approx(math.exp(result.val_loss))
 
 
 def test_result_fields_and_callbacks(trained):
@@ -76,8 +82,34 @@ def test_load_model_reproduces_val_loss(trained, data):
     cfg, _, out, result, _, _ = trained
     model, meta = load_model(out)
     assert meta["result"]["val_loss"] == result.val_loss
-    again = evaluate_loss(model, data[1], cfg.seq_len, cfg.batch_size, cfg.eval_tokens)
+    again = evaluate_loss(model, data[1], cfg.seq_len, cfg.batch_size, max_tokens=None)
     assert again == pytest.approx(result.val_loss, rel=1e-6)
+    curve = evaluate_loss(model, data[1], cfg.seq_len, cfg.batch_size, cfg.eval_tokens)
+    assert curve == pytest.approx(result.history[-1][2], rel=1e-6)
+
+
+def test_doc_losses_sum_to_the_full_split_loss(data, tmp_path):
+    """Per-document sums of the final model's losses: a partition of the full-split loss."""
+    cfg = tiny_config(token_budgets=(1024,))
+    spec = ladder(cfg)[0]
+    val = data[1]
+    docs = (np.arange(len(val)) // 97).astype(np.int32)  # 104 documents of 97 tokens (the last shorter)
+    result = train_model(spec, cfg, data[0], val, tmp_path, val_docs=docs)
+    table = read_doc_losses(tmp_path)
+    assert table.columns == ["doc", "tokens", "loss_sum"]
+    # 9984 targets are scored (tokens 1..9984, whole windows): document 0 loses its first token (never
+    # a target), document 102 ends at the last window (9894..9984) and document 103 lies past it
+    assert table["doc"].to_list() == list(range(103))
+    assert table["tokens"][0] == 96 and table["tokens"][102] == 9984 - 102 * 97 + 1
+    assert table["tokens"].sum() == result.val_tokens == 9984
+    model, _ = load_model(tmp_path)
+    full = evaluate_loss(model, val, cfg.seq_len, cfg.batch_size, max_tokens=None)
+    assert table["loss_sum"].sum() / table["tokens"].sum() == pytest.approx(full, rel=1e-12)
+    assert result.val_loss == pytest.approx(full, rel=1e-12)
+    # each document's sum is its targets' losses: the third document, recomputed by hand
+    losses = token_losses(model, val, cfg.seq_len, cfg.batch_size)
+    in_doc = docs[target_indices(len(losses))] == 2
+    assert table.filter(pl.col("doc") == 2)["loss_sum"][0] == pytest.approx(losses[in_doc].sum(), rel=1e-12)
 
 
 def test_existing_result_is_returned_without_training(trained, data):

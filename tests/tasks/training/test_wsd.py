@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import multiprocessing
 import os
@@ -18,7 +19,7 @@ from training_fixtures import markov_tokens, tiny_config
 
 from tasks.training.config import ModelShape
 from tasks.training.design import isoflop_points, ladder, lr_at, stable_steps
-from tasks.training.loop import train_model, train_size_wsd
+from tasks.training.loop import DOC_LOSSES_FILE, read_doc_losses, train_model, train_size_wsd
 from tasks.training.model import model_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -156,3 +157,37 @@ def test_largest_model_beats_smallest_at_equal_compute(tmp_path):
     r_small = train_size_wsd([small], cfg, train, val, [tmp_path / "s"], tmp_path / "s-stable")[0]
     r_large = train_size_wsd([large], cfg, train, val, [tmp_path / "l"], tmp_path / "l-stable")[0]
     assert r_large.val_loss < r_small.val_loss - 0.02, (r_small.val_loss, r_large.val_loss)
+
+
+def test_every_wsd_point_writes_doc_losses_and_a_rerun_reuses_them(data, tmp_path):
+    cfg = wsd_config()
+    specs = ladder(cfg)
+    docs = (np.arange(len(data[1])) // 250).astype(np.int32)
+    outs = [tmp_path / s.name for s in specs]
+    results = train_size_wsd(specs, cfg, *data, outs, tmp_path / "stable", val_docs=docs)
+    written = {}
+    for out, r in zip(outs, results):
+        table = read_doc_losses(out)
+        assert len(table) == 40 and table["tokens"].sum() == r.val_tokens
+        assert table["loss_sum"].sum() / table["tokens"].sum() == pytest.approx(r.val_loss, rel=1e-12)
+        written[out] = (out / DOC_LOSSES_FILE).stat().st_mtime_ns
+    again = train_size_wsd(specs, cfg, *data, outs, tmp_path / "stable", val_docs=docs,
+                           progress=lambda spec: (lambda s, n: pytest.fail("trained again")))
+    assert again == results
+    assert {out: (out / DOC_LOSSES_FILE).stat().st_mtime_ns for out in outs} == written  # not rewritten
+
+    # A folder from before the full-split scoring (no doc_losses.parquet, no val_tokens, the curve's
+    # val_loss) is rescored from its weights, not retrained, and ends where a fresh run would.
+    before = read_doc_losses(outs[0])
+    old = outs[0] / "result.json"
+    stored = json.loads(old.read_text())
+    old.write_text(json.dumps({k: v for k, v in stored.items() if k != "val_tokens"} | {"val_loss": 9.9}))
+    (outs[0] / DOC_LOSSES_FILE).unlink()
+    rescored = train_size_wsd(specs, cfg, *data, outs, tmp_path / "stable", val_docs=docs,
+                              progress=lambda spec: (lambda s, n: pytest.fail("trained again")))
+    assert rescored[0].val_loss == pytest.approx(results[0].val_loss, rel=1e-12)
+    assert rescored[0].val_tokens == results[0].val_tokens
+    after = read_doc_losses(outs[0])
+    assert after["doc"].to_list() == before["doc"].to_list() and after["tokens"].to_list() == before["tokens"].to_list()
+    assert after["loss_sum"].to_list() == pytest.approx(before["loss_sum"].to_list(), rel=1e-12)
+    assert json.loads(old.read_text())["val_loss"] == rescored[0].val_loss

@@ -1,0 +1,87 @@
+"""The train flow on a tiny ladder: per-document validation losses for every run and seed, and
+extra-seed runs reported beside train.csv, never in it."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+import yaml
+
+from tasks.training.loop import read_doc_losses
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = {  # two sizes x two budgets, WSD; raw and a second variant; one extra seed on the larger size
+    "vocab_size": 300, "seq_len": 32, "batch_size": 4, "warmup_steps": 1, "eval_interval": 8, "eval_tokens": 256,
+    "log_interval": 4, "checkpoint_interval": 0, "schedule": "wsd", "compute_budgets": [],
+    "token_budgets": [1024, 2048], "sizes": [{"d_model": 16, "n_layers": 1, "n_heads": 2},
+                                            {"d_model": 32, "n_layers": 1, "n_heads": 2}],
+    "variants": ["raw", "other"], "repb": {"compare": []}, "seeds": [1], "seed_sizes": ["d32_l1"],
+}
+
+
+def tiny_root(tmp_path: Path) -> tuple[Path, Path]:
+    """A project root whose `ci` training preset is TINY, and a workdir with prepared and curated text."""
+    root = tmp_path / "root"
+    shutil.copytree(ROOT / "params", root / "params")
+    params = yaml.safe_load((root / "params" / "training.yaml").read_text())
+    params["presets"]["ci"] = TINY
+    (root / "params" / "training.yaml").write_text(yaml.safe_dump(params))
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(60)]
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 80))) for _ in range(300)]
+    work = tmp_path / "work"
+    prepared = work / "data" / "prepared"
+    (prepared / "train").mkdir(parents=True)
+    pl.DataFrame({"text": docs[:260]}).write_parquet(prepared / "train" / "shard-00000.parquet")
+    pl.DataFrame({"text": docs[260:], "source": ["a", "b"] * 20}).write_parquet(prepared / "val.parquet")
+    for variant, kept in (("raw", docs[:260]), ("other", docs[:200])):
+        (work / "data" / "curated" / variant).mkdir(parents=True)
+        pl.DataFrame({"text": kept}).write_parquet(work / "data" / "curated" / variant / "kept.parquet")
+    return root, work
+
+
+def test_train_flow_writes_doc_losses_per_seed_and_keeps_seeds_out_of_train_csv(prefect_harness, tmp_path):
+    from flows.train import train_flow
+
+    root, work = tiny_root(tmp_path)
+    train_flow(root=str(root), preset="ci", workdir=str(work))
+    reports = work / "reports"
+    train = pl.read_csv(reports / "train.csv")
+    assert len(train) == 2 * 4 and set(train["seed"]) == {0}  # 2 variants x 4 points, base seed only
+    assert (train["val_tokens"] > 0).all()
+
+    docs = pl.read_parquet(reports / "val_docs.parquet")
+    assert docs.columns == ["variant", "data_variant", "run", "seed", "n_params_total", "tokens_trained",
+                            "compute_budget", "doc", "source", "tokens", "loss_sum"]
+    # every run's documents sum to its full-split val_loss
+    per_run = docs.group_by("variant", "run", "seed").agg((pl.col("loss_sum").sum() / pl.col("tokens").sum()).alias("mean"),
+                                                         pl.col("tokens").sum().alias("n"))
+    joined = train.join(per_run.filter(pl.col("seed") == 0), on=["variant", "run"])
+    assert len(joined) == len(train)
+    assert (joined["val_loss"] - joined["mean"]).abs().max() < 1e-9 and (joined["val_tokens"] == joined["n"]).all()
+    # the source of each document is the val split's, by row
+    sources = pl.read_parquet(work / "data" / "prepared" / "val.parquet")["source"]
+    assert all(sources[d] == s for d, s in docs.select("doc", "source").unique().iter_rows())
+    assert read_doc_losses(Path(work) / train["model_dir"][0]).height > 0
+
+    # the extra seed: the seeded size's 2 points per variant, in train_seeds.csv and val_docs.parquet only
+    seeds = pl.read_csv(reports / "train_seeds.csv")
+    assert seeds.columns == train.columns
+    assert sorted(seeds.select("variant", "run", "seed").rows()) == sorted(
+        (v, f"d32_l1_D{d}", 1) for v in ("raw", "other") for d in (1024, 2048))
+    assert set(seeds["model_dir"]).isdisjoint(train["model_dir"])  # folders of their own
+    assert set(docs.filter(pl.col("run").str.starts_with("d32_l1")).select("variant", "seed").unique().rows()) == {
+        ("raw", 0), ("raw", 1), ("other", 0), ("other", 1)}
+    assert set(docs.filter(pl.col("run").str.starts_with("d16_l1"))["seed"]) == {0}
+    both = (docs.filter(pl.col("run") == "d32_l1_D2048", pl.col("variant") == "raw")
+            .pivot(on="seed", index="doc", values="loss_sum"))
+    assert both.height > 0 and (both["0"] != both["1"]).any()  # another init and data order, the same documents
+    # a rerun trains nothing, keeps every folder (extra-seed ones too) and writes the same tables
+    train_flow(root=str(root), preset="ci", workdir=str(work))
+    assert all((work / d).is_dir() for d in [*train["model_dir"], *seeds["model_dir"]])
+    assert pl.read_csv(reports / "train_seeds.csv").equals(seeds)
+    assert pl.read_parquet(reports / "val_docs.parquet").equals(docs)
