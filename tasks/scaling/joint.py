@@ -133,32 +133,66 @@ def _nnls3(gram: np.ndarray, rhs: np.ndarray, yy: np.ndarray) -> tuple[np.ndarra
     return best, np.maximum(best_sse, 0.0)
 
 
+@dataclass(frozen=True)
+class Packed:
+    """Several series' runs as (V, n_max) arrays, padded with weight-0 runs (N = n0, D = d0)."""
+
+    names: tuple[str, ...]
+    N: np.ndarray
+    D: np.ndarray
+    L: np.ndarray
+    W: np.ndarray
+
+
+def pack(data: Mapping[str, SeriesPoints], names: Sequence[str], n0: float, d0: float) -> Packed:
+    n_max = max(len(data[m].L) for m in names)
+    shape = (len(names), n_max)
+    N, D, L, W = np.full(shape, n0), np.full(shape, d0), np.zeros(shape), np.zeros(shape)
+    for i, m in enumerate(names):
+        p = data[m]
+        k = len(p.L)
+        N[i, :k], D[i, :k], L[i, :k], W[i, :k] = p.N, p.D, p.L, p.weights()
+    return Packed(tuple(names), N, D, L, W)
+
+
+def surfaces(pk: Packed, alphas: np.ndarray, betas: np.ndarray, n0: float, d0: float
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """NNLS residual and (E, A', B') of every packed series at every (alpha, beta) of its grid.
+
+    ``alphas`` / ``betas``: one grid for all, shape (Ga,) / (Gb,), or one per series, (V, Ga) /
+    (V, Gb). ``A'`` and ``B'`` are in scaled units (``N / n0``, ``D / d0``). Returns
+    ``(sse (V, Ga, Gb), coef (V, Ga, Gb, 3))``; one batched computation for all series.
+    """
+    V = len(pk.names)
+    alphas = np.broadcast_to(np.atleast_1d(alphas), (V, np.shape(alphas)[-1]))
+    betas = np.broadcast_to(np.atleast_1d(betas), (V, np.shape(betas)[-1]))
+    w = pk.W
+    x = (pk.N / n0)[:, None, :] ** -alphas[:, :, None]  # (V, Ga, n)
+    y = (pk.D / d0)[:, None, :] ** -betas[:, :, None]  # (V, Gb, n)
+    ga, gb = alphas.shape[1], betas.shape[1]
+    xw, yw = x * w[:, None, :], y * w[:, None, :]
+    gram = np.empty((V, ga, gb, 3, 3))
+    gram[..., 0, 0] = w.sum(1)[:, None, None]
+    gram[..., 0, 1] = gram[..., 1, 0] = xw.sum(2)[:, :, None]
+    gram[..., 0, 2] = gram[..., 2, 0] = yw.sum(2)[:, None, :]
+    gram[..., 1, 1] = (xw * x).sum(2)[:, :, None]
+    gram[..., 2, 2] = (yw * y).sum(2)[:, None, :]
+    gram[..., 1, 2] = gram[..., 2, 1] = np.einsum("van,vbn->vab", xw, y)
+    rhs = np.empty((V, ga, gb, 3))
+    rhs[..., 0] = (w * pk.L).sum(1)[:, None, None]
+    rhs[..., 1] = np.einsum("van,vn->va", xw, pk.L)[:, :, None]
+    rhs[..., 2] = np.einsum("vbn,vn->vb", yw, pk.L)[:, None, :]
+    yy = np.broadcast_to((w * pk.L * pk.L).sum(1)[:, None, None], (V, ga, gb))
+    coef, sse = _nnls3(gram, rhs, yy)
+    return sse, coef
+
+
 def sse_surface(p: SeriesPoints, alphas: np.ndarray, betas: np.ndarray, n0: float, d0: float
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """NNLS residual and (E, A', B') of one series at every (alpha, beta) of the grid.
-
-    ``A'`` and ``B'`` are in scaled units (``N / n0``, ``D / d0``). Returns ``(sse (Ga, Gb),
-    coef (Ga, Gb, 3))``.
-    """
-    w = p.weights()
-    x = (p.N / n0)[None, :] ** -alphas[:, None]  # (Ga, n)
-    y = (p.D / d0)[None, :] ** -betas[:, None]  # (Gb, n)
-    L = p.L
-    ga, gb = len(alphas), len(betas)
-    gram = np.empty((ga, gb, 3, 3))
-    gram[..., 0, 0] = w.sum()
-    sx, sy = x @ w, y @ w
-    gram[..., 0, 1] = gram[..., 1, 0] = sx[:, None]
-    gram[..., 0, 2] = gram[..., 2, 0] = sy[None, :]
-    gram[..., 1, 1] = ((x * x) @ w)[:, None]
-    gram[..., 2, 2] = ((y * y) @ w)[None, :]
-    gram[..., 1, 2] = gram[..., 2, 1] = (x * w) @ y.T
-    rhs = np.empty((ga, gb, 3))
-    rhs[..., 0] = w @ L
-    rhs[..., 1] = ((x * w) @ L)[:, None]
-    rhs[..., 2] = ((y * w) @ L)[None, :]
-    coef, sse = _nnls3(gram, rhs, np.full((ga, gb), float(w @ (L * L))))
-    return sse, coef
+    """NNLS residual and (E, A', B') of one series at every (alpha, beta) of the grid:
+    ``(sse (Ga, Gb), coef (Ga, Gb, 3))`` (:func:`surfaces` for one series)."""
+    sse, coef = surfaces(pack({"s": p}, ["s"], n0, d0), np.asarray(alphas), np.asarray(betas), n0, d0)
+    return sse[0], coef[0]
 
 
 def _zoom(grid: ExponentGrid, centre: float) -> np.ndarray:
@@ -171,26 +205,26 @@ def _search(data: Mapping[str, SeriesPoints], members: Sequence[str], grid: Expo
             alphas: np.ndarray, betas: np.ndarray, shared: tuple[str, ...]) -> tuple[float, dict[str, tuple[float, float]]]:
     """Least total SSE of ``members`` on an (alpha, beta) grid, with ``shared`` exponents common to
     them and the others per series; returns ``(sse, {series: (alpha, beta)})``."""
-    surfaces = np.stack([sse_surface(data[m], alphas, betas, n0, d0)[0] for m in members])  # (V, Ga, Gb)
+    sse = surfaces(pack(data, members, n0, d0), alphas, betas, n0, d0)[0]  # (V, Ga, Gb)
     if shared == ("alpha", "beta"):
-        total = surfaces.sum(0)
+        total = sse.sum(0)
         i, j = np.unravel_index(np.argmin(total), total.shape)
         return float(total[i, j]), {m: (alphas[i], betas[j]) for m in members}
     if shared == ("alpha",):
-        per = surfaces.min(2)  # (V, Ga): each series' best beta at every alpha
+        per = sse.min(2)  # (V, Ga): each series' best beta at every alpha
         i = int(np.argmin(per.sum(0)))
-        js = surfaces[:, i, :].argmin(1)
+        js = sse[:, i, :].argmin(1)
         return float(per[:, i].sum()), {m: (alphas[i], betas[j]) for m, j in zip(members, js)}
     if shared == ("beta",):
-        per = surfaces.min(1)
+        per = sse.min(1)
         j = int(np.argmin(per.sum(0)))
-        is_ = surfaces[:, :, j].argmin(1)
+        is_ = sse[:, :, j].argmin(1)
         return float(per[:, j].sum()), {m: (alphas[i], betas[j]) for m, i in zip(members, is_)}
     out, total = {}, 0.0
-    for m, s in zip(members, surfaces):
-        i, j = np.unravel_index(np.argmin(s), s.shape)
+    for m, sm in zip(members, sse):
+        i, j = np.unravel_index(np.argmin(sm), sm.shape)
         out[m] = (alphas[i], betas[j])
-        total += float(s[i, j])
+        total += float(sm[i, j])
     return total, out
 
 
@@ -200,9 +234,11 @@ def _polish(data: Mapping[str, SeriesPoints], members: Sequence[str], start: tup
     leaves the SSE up to ~1% above the continuous optimum."""
     from scipy.optimize import minimize
 
+    pk = pack(data, members, n0, d0)
+
     def total(ab: np.ndarray) -> float:
         a, b = np.clip(ab, grid.lo, grid.hi)
-        return float(sum(sse_surface(data[m], np.array([a]), np.array([b]), n0, d0)[0][0, 0] for m in members))
+        return float(surfaces(pk, np.array([a]), np.array([b]), n0, d0)[0].sum())
 
     res = minimize(total, np.array(start), method="Nelder-Mead",
                    options={"xatol": 1e-5, "fatol": 1e-14, "initial_simplex": np.array(
@@ -260,9 +296,12 @@ def fit_joint(data: Mapping[str, SeriesPoints], *, shared: Sequence[str] = EXPON
             fine = {m: _polish(data, [m], fine[m], grid, n0, d0) for m in members}
         exps |= fine
     params, total, at_bound = {}, 0.0, {}
-    for m, p in data.items():
+    names = list(data)
+    sse_all, coef_all = surfaces(pack(data, names, n0, d0), np.array([[exps[m][0]] for m in names]),
+                                 np.array([[exps[m][1]] for m in names]), n0, d0)
+    for k, m in enumerate(names):
         a, b = exps[m]
-        sse, coef = sse_surface(p, np.array([a]), np.array([b]), n0, d0)
+        sse, coef = sse_all[k], coef_all[k]
         e_, a_, b_ = coef[0, 0]
         params[m] = {"E": float(e_), "A": float(a_ * n0 ** a), "B": float(b_ * d0 ** b),
                      "alpha": float(a), "beta": float(b)}
@@ -288,30 +327,43 @@ def likelihood_ratio(sse_null: float, sse_alt: float, n: int) -> float:
 def _shared_vs_own(data: Mapping[str, SeriesPoints], tested: Sequence[str], grid: ExponentGrid, n0: float,
                    d0: float) -> tuple[float, dict[str, float]]:
     """The SSE with every exponent shared, and for each tested series the SSE when it alone has
-    exponents of its own: one coarse surface per series, then a zoom around each optimum."""
+    exponents of its own: one coarse surface per series, then three zooms of +-1 step around each
+    optimum (the resolution shrinks ~125-fold, so the statistic does not depend on where the grid's
+    points fall). Every zoom level is one batched :func:`surfaces` call over all groups."""
+    names = list(data)
     values = grid.values()
-    coarse = {m: sse_surface(p, values, values, n0, d0)[0] for m, p in data.items()}
-
-    def zoomed(members: list[str], surface: np.ndarray) -> float:
-        # three zooms of +-1 step around the optimum: the grid's resolution shrinks ~125-fold,
-        # so the statistic does not depend on where the grid's points happen to fall
-        i, j = np.unravel_index(np.argmin(surface), surface.shape)
-        a, b, half = values[i], values[j], grid.step
-        for _ in range(3):
-            za = np.clip(np.linspace(a - half, a + half, max(grid.zoom_steps, 3)), grid.lo, grid.hi)
-            zb = np.clip(np.linspace(b - half, b + half, max(grid.zoom_steps, 3)), grid.lo, grid.hi)
-            total = sum(sse_surface(data[m], za, zb, n0, d0)[0] for m in members)
-            i, j = np.unravel_index(np.argmin(total), total.shape)
-            a, b, half = za[i], zb[j], 2 * half / (max(grid.zoom_steps, 3) - 1)
-        return float(total[i, j])
-
-    total = sum(coarse.values())
-    null = zoomed(list(data), total)
-    alt = {}
+    pk = pack(data, names, n0, d0)
+    coarse = surfaces(pk, values, values, n0, d0)[0]  # (V, G, G)
+    total = coarse.sum(0)
+    idx = {m: i for i, m in enumerate(names)}
+    # groups: (members mask over names, surface to start from); the null, then per tested series
+    # "everyone else shared" and "this one alone"
+    masks, starts = [np.ones(len(names), bool)], [total]
     for v in tested:
-        others = [m for m in data if m != v]
-        alt[v] = (zoomed(others, total - coarse[v]) if others else 0.0) + zoomed([v], coarse[v])
-    return null, alt
+        others = np.ones(len(names), bool)
+        others[idx[v]] = False
+        masks += [others, ~others]
+        starts += [total - coarse[idx[v]], coarse[idx[v]]]
+    centres = np.array([np.unravel_index(np.argmin(st), st.shape) for st in starts])
+    ab = np.stack([values[centres[:, 0]], values[centres[:, 1]]], axis=1)  # (K, 2)
+    steps = max(grid.zoom_steps, 3)
+    half = grid.step
+    rows = np.repeat(np.arange(len(names))[None, :], len(masks), 0).ravel()  # (K*V,) series of each row
+    big = Packed(tuple(names[r] for r in rows), pk.N[rows], pk.D[rows], pk.L[rows], pk.W[rows])
+    weight = np.stack(masks).astype(float).ravel()  # rows outside their group count 0
+    best = np.zeros(len(masks))
+    for _ in range(3):
+        za = np.clip(ab[:, [0]] + np.linspace(-half, half, steps)[None, :], grid.lo, grid.hi)  # (K, s)
+        zb = np.clip(ab[:, [1]] + np.linspace(-half, half, steps)[None, :], grid.lo, grid.hi)
+        sse = surfaces(big, np.repeat(za, len(names), 0), np.repeat(zb, len(names), 0), n0, d0)[0]
+        group = (sse * weight[:, None, None]).reshape(len(masks), len(names), steps, steps).sum(1)  # (K, s, s)
+        flat = group.reshape(len(masks), -1).argmin(1)
+        i, j = np.unravel_index(flat, (steps, steps))
+        ab = np.stack([za[np.arange(len(masks)), i], zb[np.arange(len(masks)), j]], axis=1)
+        best = group.reshape(len(masks), -1)[np.arange(len(masks)), flat]
+        half = 2 * half / (steps - 1)
+    null = float(best[0])
+    return null, {v: float(best[1 + 2 * k] + best[2 + 2 * k]) for k, v in enumerate(tested)}
 
 
 def nested_test(data: Mapping[str, SeriesPoints], tested: Sequence[str], *, grid: ExponentGrid = ExponentGrid(),
