@@ -147,7 +147,8 @@ def test_decisions_pair_every_series_with_raw(ci_run):
     assert {"val", "downstream_bpb"} <= set(rows["target"]) and any(t.startswith("val:") for t in rows["target"])
     projected = rows.filter(pl.col("kind") == "projected")
     top = pl.read_csv(reports / "train.csv")["flops_total"].max()
-    assert projected.height == 2 * 2 and set(projected["budget"].round(-3)) == {round(3 * top, -3), round(10 * top, -3)}
+    assert projected.height == 2 * 2
+    assert sorted(set(projected["budget"].to_list())) == pytest.approx([3 * top, 10 * top], rel=1e-9)
     decisions = json.loads((reports / "fits.json").read_text())["decisions"]
     assert set(decisions["nested"]) == {"dedup_gopher", "raw+repb"}
     assert decisions["backtest"]["pairs"] and decisions["sigma_seed"]["dof"] >= 1  # the ci preset's second seed
