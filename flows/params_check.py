@@ -13,11 +13,11 @@ def stage_configs() -> dict[str, type]:
     from flows.runtime import PipelineConfig
     from tasks.compression.pruning import PruningConfig
     from tasks.compression.registry import CompressionConfig
-    from tasks.curation.ddcf import SelectConfig
     from tasks.curation.prepare import PrepareConfig
     from tasks.curation.recipes import CurationConfig
     from tasks.evaluation.downstream import EvaluateConfig
     from tasks.scaling.config import FitConfig
+    from tasks.selection.config import SelectConfig
     from tasks.sparse.registry import SparseEvalConfig
     from tasks.training.config import TrainingConfig
 
