@@ -15,7 +15,7 @@ def stage_configs() -> dict[str, type]:
     from tasks.compression.config import CompressionConfig
     from tasks.curation.prepare import PrepareConfig
     from tasks.curation.recipes import CurationConfig
-    from tasks.evaluation.downstream import EvaluateConfig
+    from tasks.evaluation.config import EvaluateConfig
     from tasks.scaling.config import FitConfig
     from tasks.selection.config import SelectConfig
     from tasks.sparse.registry import SparseEvalConfig
