@@ -33,7 +33,8 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
 from tasks.common.params import load_stage_config  # noqa: E402
-from tasks.curation.ddcf import METHODS, SelectConfig, run_arithmetic_setting  # noqa: E402
+from tasks.selection.config import METHODS, SelectConfig  # noqa: E402
+from tasks.selection.settings import run_arithmetic_setting  # noqa: E402
 
 
 def main() -> int:
@@ -71,7 +72,7 @@ def main() -> int:
     start = time.perf_counter()
     log = lambda s: print(f"[{time.perf_counter() - start:6.1f} s] {s}", flush=True)  # noqa: E731
     if olmo:
-        from tasks.curation.ddcf_olmo import correctness_fingerprint, run_olmo_eval_setting
+        from tasks.selection.olmo_eval import correctness_fingerprint, run_olmo_eval_setting
 
         fingerprint, rows_in = correctness_fingerprint(cfg), {}
         if args.cache and args.cache.exists():

@@ -38,7 +38,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tasks.common.params import default_preset, load_stage_config  # noqa: E402
-from tasks.evaluation.downstream import (EvaluateConfig, TaskItem, TaskRequests, TaskRun, TokenizerAdapter,  # noqa: E402
+from tasks.evaluation.config import EvaluateConfig  # noqa: E402
+from tasks.evaluation.downstream import (TaskItem, TaskRequests, TaskRun, TokenizerAdapter,  # noqa: E402
                                          evaluate_tasks, load_requests, supports_shared_context,
                                          wilson_interval)
 

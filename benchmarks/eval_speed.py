@@ -151,8 +151,9 @@ def scalelab_worker(tasks: list[str], limit: int, threads: int, result: Path) ->
     from tasks.common.models import load_causal_lm
     from tasks.common.parallel import set_process_threads
     from tasks.common.params import default_preset, load_stage_config
+    from tasks.evaluation.config import EvaluateConfig
     from tasks.evaluation.downstream import (
-        EvaluateConfig, _plan, encode_items, evaluate_tasks, supports_shared_context,
+        _plan, encode_items, evaluate_tasks, supports_shared_context,
     )
 
     set_process_threads(threads)

@@ -275,13 +275,13 @@ def _run(args: argparse.Namespace, root: Path) -> int:
             pipeline_flow(**kwargs)
         else:
             from flows.pipeline import STAGE_FLOWS
-            from tasks.common.summary import HEADLINE_STAGES, write_stage_metrics
+            from flows.report import HEADLINE_STAGES, write_stage_metrics
 
             STAGE_FLOWS[args.stage](**kwargs, parent_run_id=ctx.parent.run_id if ctx.parent else None)
             if args.stage in HEADLINE_STAGES:  # what dvc.yaml declares as the stage's metrics
                 write_stage_metrics(args.stage, ctx.layout.reports)
     if args.stage == "all":
-        from tasks.common.summary import build_summary, load_reports, print_summary
+        from flows.report import build_summary, load_reports, print_summary
 
         print_summary(build_summary(load_reports(ctx.layout.reports)))
     return 0
@@ -290,7 +290,7 @@ def _run(args: argparse.Namespace, root: Path) -> int:
 def _report(workdir: Path) -> int:
     """Print the summary of ``workdir`` and rewrite its reports/summary.md; 2 when files are missing
     (what exists is still summarised) or the workdir has no reports."""
-    from tasks.common.summary import print_summary, write_summary
+    from flows.report import print_summary, write_summary
 
     try:
         summary, _ = write_summary(workdir / "reports")

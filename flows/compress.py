@@ -31,9 +31,9 @@ from tasks.common.lineage import DataRef, data_ref, log_datasets, log_model_ref
 from tasks.common.parallel import set_process_threads
 from tasks.common.registry import MethodSpec
 from tasks.common.tracking import RunRef, tracked_run
+from tasks.compression.config import CompressionConfig
 from tasks.compression.registry import (
     CompressedModel,
-    CompressionConfig,
     compress,
     model_from_tensors,
     save_compressed,

@@ -31,8 +31,9 @@ from tasks.common.config import to_dict
 from tasks.common.io import atomic_dir, write_json, write_parquet
 from tasks.common.lineage import find_models, link_metrics, log_datasets
 from tasks.common.tracking import RunRef, tracked_run
+from tasks.evaluation.config import EvaluateConfig
 from tasks.evaluation.downstream import (
-    EvaluateConfig, TaskRequests, evaluate_tasks, load_requests, paired_difference, results_rows,
+    TaskRequests, evaluate_tasks, load_requests, paired_difference, results_rows,
 )
 from tasks.evaluation.microbench import microbench_task, plot_mdad
 from tasks.evaluation.task_laws import fit_task_laws, plot_task_law

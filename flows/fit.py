@@ -12,10 +12,10 @@ import polars as pl
 from prefect import flow
 
 from flows.artifacts import law_table, publish_table
+from flows.report import PRETRAINED
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.io import write_csv
 from tasks.common.lineage import data_ref, log_datasets
-from tasks.common.summary import PRETRAINED
 from tasks.scaling.compute_optimal import fit_flops_per_token
 from tasks.scaling.config import FitConfig
 from tasks.scaling.decisions import DOC_COLUMNS, decision_report

@@ -12,12 +12,12 @@ def stage_configs() -> dict[str, type]:
     """params/<stage>.yaml -> the dataclass its section loads into (one entry per params file)."""
     from flows.runtime import PipelineConfig
     from tasks.compression.pruning import PruningConfig
-    from tasks.compression.registry import CompressionConfig
-    from tasks.curation.ddcf import SelectConfig
+    from tasks.compression.config import CompressionConfig
     from tasks.curation.prepare import PrepareConfig
     from tasks.curation.recipes import CurationConfig
-    from tasks.evaluation.downstream import EvaluateConfig
+    from tasks.evaluation.config import EvaluateConfig
     from tasks.scaling.config import FitConfig
+    from tasks.selection.config import SelectConfig
     from tasks.sparse.registry import SparseEvalConfig
     from tasks.training.config import TrainingConfig
 

@@ -22,7 +22,7 @@ from flows.sparse_eval import sparse_eval_flow
 from flows.stage import stage_context
 from flows.train import train_flow
 from flows.runtime import claim_workdir
-from tasks.common.summary import HEADLINE_STAGES, summary_markdown, write_stage_metrics, write_summary
+from flows.report import HEADLINE_STAGES, summary_markdown, write_stage_metrics, write_summary
 from tasks.common.tracking import REPLACES, tracked_run
 
 STAGE_FLOWS = {
@@ -76,7 +76,7 @@ def pipeline_flow(
 
 
 def publish_summary(reports: Path) -> Path:
-    """Write reports/summary.md (what the run found, :mod:`tasks.common.summary`) and publish it as
+    """Write reports/summary.md (what the run found, :mod:`flows.report`) and publish it as
     the pipeline run's Prefect markdown artifact (plots named, not embedded: the UI cannot reach them)."""
     summary, path = write_summary(reports)
     create_markdown_artifact(key="pipeline-summary", markdown=summary_markdown(summary, images=False),

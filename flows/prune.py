@@ -336,7 +336,7 @@ def distill_command(args: Any, root: Path) -> int:
     k = max(1, round(rc.budget * len(windows)))
     embeddings = None
     if args.data_select == "paser" and k < len(windows):
-        from tasks.curation.ddcf import question_embeddings
+        from tasks.selection.embeddings import question_embeddings
 
         embeddings = question_embeddings(tok.decode_batch(windows.tolist()))
     chosen = select_windows(args.data_select, teacher, student, windows, k, rc, embeddings)

@@ -20,7 +20,8 @@ from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.io import write_json
 from tasks.common.tracking import tracked_run
-from tasks.curation.ddcf import SelectConfig, SettingResult, run_arithmetic_setting, summarize
+from tasks.selection.config import SelectConfig
+from tasks.selection.settings import SettingResult, run_arithmetic_setting, summarize
 
 
 def setting_metrics(setting: str, metrics: dict[str, float | None]) -> dict[str, float | None]:
@@ -45,7 +46,7 @@ def child_run_name(row: dict) -> str:
 
 def run_setting(cfg: SelectConfig, setting: str) -> SettingResult:
     if setting == "olmo_eval":
-        from tasks.curation.ddcf_olmo import run_olmo_eval_setting
+        from tasks.selection.olmo_eval import run_olmo_eval_setting
 
         return run_olmo_eval_setting(cfg, log=print)
     return run_arithmetic_setting(cfg, log=print)

@@ -328,7 +328,7 @@ def prune_rows(
     if any(select == "paser" for setting in settings for _, select in recovery.runs(setting)):
         if texts is None:
             raise ValueError("recovery.data_select names paser, which needs the windows' text (texts=)")
-        from tasks.curation.ddcf import question_embeddings
+        from tasks.selection.embeddings import question_embeddings
 
         embeddings = question_embeddings(texts(windows))
     teacher = CachedTeacher(model)

@@ -69,7 +69,7 @@ def test_a_pretrained_model_runs_as_one_job_on_the_prepared_text(tmp_path, smoll
     """The stage's ``pretrained`` job (SmolLM2 in the demo) with a tiny Llama standing in for SmolLM2:
     calibrated on the prepared training text, scored on the validation text, one row per served width."""
     from flows.compress import compress_job
-    from tasks.compression.registry import CompressionConfig
+    from tasks.compression.config import CompressionConfig
 
     prepared = smollm2_stand_in
     cfg = CompressionConfig(settings={"rtn_w3": {"method": "rtn", "bits": 3, "group_size": 32},

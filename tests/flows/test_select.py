@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flows.select import accuracy_metrics, child_run_name, setting_metrics
-from tasks.curation.ddcf import SettingResult
+from tasks.selection.settings import SettingResult
 
 ROOT = Path(__file__).resolve().parents[2]
 

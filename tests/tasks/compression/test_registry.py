@@ -14,9 +14,9 @@ from tasks.common.config import ConfigError
 from tasks.common.params import PRESETS, load_stage_config, stage_section
 from tasks.common.registry import MethodRegistry, MethodSpec
 from tasks.compression import registry
+from tasks.compression.config import CompressionConfig
 from tasks.compression.registry import (
     CompressedModel,
-    CompressionConfig,
     compress,
     get_method,
     parse_settings,

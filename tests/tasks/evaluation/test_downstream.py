@@ -295,7 +295,7 @@ def test_smollm2_artifacts_choose_the_compress_stage_rows_scored():
     from pathlib import Path
 
     from tasks.common.params import load_stage_config
-    from tasks.evaluation.downstream import EvaluateConfig, SmolLM2EvalConfig
+    from tasks.evaluation.config import EvaluateConfig, SmolLM2EvalConfig
 
     every, some, none = (SmolLM2EvalConfig(artifacts=a) for a in (("*",), ("anybcq_*@w3", "rtn_w3_g128"), ()))
     rows = ["rtn_w3_g128", "rtn_w2_g128", "anybcq_g128_i2@w2", "anybcq_g128_i2@w3", "nubitq_b3.25"]

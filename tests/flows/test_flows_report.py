@@ -12,10 +12,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tasks.common.summary import (HEADLINE_STAGES, build_summary, common_recovery, compression_table, load_reports,
-                                  pruning_table, stage_metrics, summary_markdown, write_stage_metrics, write_summary)
+from flows.report import (HEADLINE_STAGES, build_summary, common_recovery, compression_table, load_reports,
+                          pruning_table, stage_metrics, summary_markdown, write_stage_metrics, write_summary)
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
