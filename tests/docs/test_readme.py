@@ -419,7 +419,7 @@ CHECKS = [
     Check(r"\.venv/bin/scalelab eval tasks .*", check_eval_tasks),
     Check(r"\.venv/bin/scalelab run all --preset \w+", check_run_all),
     Check(r"\.venv/bin/scalelab run all --preset \w+ --workdir \S+", None,
-          "run by test_the_workdir_command_runs_on_a_fresh_copy (in make test)"),
+          "run by test_the_workdir_command_runs_on_a_fresh_copy (slow, run by .ci/run)"),
     Check(r"\.venv/bin/scalelab run (prepare|curate|train|compress|sparse_eval|evaluate|fit)", check_run_stage),
     Check(r"\.venv/bin/dvc repro", check_dvc_repro),
     Check(r"\.venv/bin/dvc exp run -S .*", check_dvc_exp),
@@ -473,8 +473,13 @@ def test_the_readme_quotes_the_error_a_bad_params_key_gets(tmp_path: Path):
     assert not (tmp_path / "wd").exists(), "a bad key must stop the command before the workdir is made"
 
 
+@pytest.mark.slow
 def test_the_workdir_command_runs_on_a_fresh_copy(tmp_path: Path):
-    """The README's ``--workdir`` command, with the ci preset, into a folder that does not exist yet."""
+    """The README's ``--workdir`` command, with the ci preset, into a folder that does not exist yet.
+
+    Slow (a second whole ``ci`` pipeline, ~6-9 min on 2 cores): ``make test`` runs the pipeline once
+    (tests/flows/test_pipeline_ci.py) and a new nested ``--workdir`` relative to the current folder
+    (tests/flows/test_cli.py); .ci/run runs this one with the README's other commands."""
     (cmd,) = [c for c in all_commands() if "--workdir" in c.text and "run all" in c.text]
     workdir = option(cmd, "--workdir")
     assert "/" in workdir, f"{cmd}: expected a nested workdir such as runs/demo"

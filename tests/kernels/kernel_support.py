@@ -41,3 +41,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor_per_elem: float = 0.0) -> fl
     rounding into a large ratio."""
     floor = max(1e-12, floor_per_elem * b.numel() ** 0.5)
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(floor)).item()
+
+
+def grid(cases: list, ids: list[str], fast: set[str]) -> list:
+    """``pytest.param`` per case, with its id; in Triton's interpreter (CPU: seconds a launch) the cases
+    whose id is not in ``fast`` are marked slow, so ``make test`` runs a representative odd-shaped
+    subset and ``make test-slow`` the whole grid. Compiled on CUDA every case stays in ``make test``."""
+    unknown = fast - set(ids)
+    assert not unknown, f"fast cases that are not in the grid: {sorted(unknown)}"
+    slow = [pytest.mark.slow] if INTERPRET and not CUDA else []
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), id=i, marks=[] if i in fast else slow)
+            for c, i in zip(cases, ids, strict=True)]

@@ -15,7 +15,7 @@ from torch import nn
 
 from kernels import bitplane_gemm as public
 from kernels.bitplane_gemm import reference
-from kernel_support import CUDA, DEVICE, INTERPRET, needs_cuda, rel_err, triton_module
+from kernel_support import CUDA, DEVICE, INTERPRET, grid, needs_cuda, rel_err, triton_module
 
 triton_impl, needs_triton = triton_module("bitplane_gemm")
 
@@ -131,12 +131,17 @@ def test_public_entry_matches_a_compressed_model_at_every_precision():
 CASES = [(s, b, torch.float32) for s in SHAPES for b in (2, 3, 4)] + [
     (s, b, torch.float16) for s in SHAPES[:4] for b in (2, 3, 4)
 ] + [(SHAPES[0], 3, torch.bfloat16), (SHAPES[3], 3, torch.bfloat16)]
+CASE_IDS = [f"{_shape_id(s)}-w{b}-{_dtype_id(d)}" for s, b, d in CASES]
+# In make test (interpreter): every precision on the odd 63x500 shape; a partial byte with no offset and
+# two tokens, groups of 48 (GEMM only), a 1x7 weight at 3 bits; fp16 and bf16 once. The rest: -m slow.
+FAST_CASES = {"t1_63x500_g128-w2-float32", "t1_63x500_g128-w3-float32", "t1_63x500_g128-w4-float32",
+              "t2_33x257_g64_nooffset-w3-float32", "t3_17x96_g48-w3-float32", "t1_1x7_g2-w3-float32",
+              "t1_63x500_g128-w3-float16", "t3_17x96_g48-w3-bfloat16"}
 
 
 @needs_triton
 @pytest.mark.parametrize("path", ["gemv", "gemm"])
-@pytest.mark.parametrize(("shape", "bits", "dtype"), CASES,
-                         ids=[f"{_shape_id(s)}-w{b}-{_dtype_id(d)}" for s, b, d in CASES])
+@pytest.mark.parametrize(("shape", "bits", "dtype"), grid(CASES, CASE_IDS, FAST_CASES))
 def test_triton_matches_reference(shape, bits, dtype, path, poison_empty):
     tokens, out_f, in_f, gs, offset = shape
     if path == "gemv" and gs % 32:
@@ -160,7 +165,8 @@ SPLITS = [
 
 
 @needs_triton
-@pytest.mark.parametrize(("path", "tiles"), [(p, t) for p, _, t in SPLITS], ids=[i for _, i, _ in SPLITS])
+@pytest.mark.parametrize(("path", "tiles"), grid([(p, t) for p, _, t in SPLITS], [i for _, i, _ in SPLITS],
+                                                 {"gemv_bn32_bc2_split3", "gemm_bm16_bn16_bc16_split2"}))
 def test_split_k_and_tile_sizes_agree(path, tiles, poison_empty):
     """K split over programs (the last to arrive sums the slices), run twice: the arrival counters
     must be back at zero after each launch. Two tokens and two row blocks: distinct counters."""

@@ -13,7 +13,7 @@ from torch import nn
 from kernels import lut_gemm as public
 from kernels.group_quant import pack_codes
 from kernels.lut_gemm import reference
-from kernel_support import CUDA, DEVICE, needs_cuda, rel_err, triton_module
+from kernel_support import CUDA, DEVICE, grid, needs_cuda, rel_err, triton_module
 
 triton_impl, needs_triton = triton_module("lut_gemm")
 
@@ -104,8 +104,11 @@ def test_reference_matches_nubitq_dequantized_weights(shape, scope, bits):
     assert _rel_err(y, x @ w.t()) <= 1e-6
 
 
-@pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
-@pytest.mark.parametrize("bits", [2, 3, 4, 8], ids=lambda b: f"w{b}")
+RTN_MODELS = [(b, sym) for b in (2, 3, 4, 8) for sym in (False, True)]
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), grid(RTN_MODELS, [f"w{b}-{'sym' if s else 'asym'}" for b, s in RTN_MODELS],
+                                                     {"w3-asym", "w4-sym", "w8-asym"}))
 def test_public_entry_matches_an_rtn_compressed_model(bits, symmetric):
     """The tensors compress_rtn stores, multiplied through the public entry point (the interpreter here,
     CUDA when present), against the state dict rtn's dequantizer rebuilds."""
@@ -127,12 +130,18 @@ def test_public_entry_matches_an_rtn_compressed_model(bits, symmetric):
 CASES = [(s, k, b, torch.float32) for s in SHAPES[:3] for k in KINDS for b in (2, 3, 4)] + [
     (s, k, 3, torch.float32) for s in SHAPES[3:] for k in KINDS
 ] + [(s, k, 3, torch.float16) for s in SHAPES[:2] for k in KINDS] + [(SHAPES[0], "row", 4, torch.bfloat16)]
+CASE_IDS = [f"{_shape_id(s)}-{k}-w{b}-{_dtype_id(d)}" for s, k, b, d in CASES]
+# In make test (interpreter): every kind at 3 bits on the odd 63x500 shape; 2 and 4 bits with codes
+# straddling words (33x257, two tokens); groups of 48 (GEMM only) and a 1x7 weight; fp16 and bf16 once.
+FAST_CASES = {*(f"t1_63x500_g128-{k}-w3-float32" for k in KINDS), "t2_33x257_g64-group-w2-float32",
+              "t2_33x257_g64-rtn-w4-float32", "t2_33x257_g64-row-w4-float32", "t3_17x96_g48-group-w3-float32",
+              "t1_1x7_g4-rtn-w3-float32", "t1_1x7_g4-tensor-w3-float32", "t1_63x500_g128-group-w3-float16",
+              "t1_63x500_g128-rtn_sym-w3-float16", "t1_63x500_g128-row-w4-bfloat16"}
 
 
 @needs_triton
 @pytest.mark.parametrize("path", ["gemv", "gemm"])
-@pytest.mark.parametrize(("shape", "kind", "bits", "dtype"), CASES,
-                         ids=[f"{_shape_id(s)}-{k}-w{b}-{_dtype_id(d)}" for s, k, b, d in CASES])
+@pytest.mark.parametrize(("shape", "kind", "bits", "dtype"), grid(CASES, CASE_IDS, FAST_CASES))
 def test_triton_matches_reference(shape, kind, bits, dtype, path, poison_empty):
     tokens, out_f, in_f, gs = shape
     if path == "gemv" and gs % 32 and kind not in ("row", "tensor"):
@@ -168,9 +177,14 @@ SPLITS = [
 ]
 
 
+SPLIT_CASES = [(p, t, k) for p, _, t in SPLITS for k in ("group", "rtn")]
+
+
 @needs_triton
-@pytest.mark.parametrize("kind", ["group", "rtn"])
-@pytest.mark.parametrize(("path", "tiles"), [(p, t) for p, _, t in SPLITS], ids=[i for _, i, _ in SPLITS])
+@pytest.mark.parametrize(("path", "tiles", "kind"), grid(SPLIT_CASES, [f"{i}-{k}" for _, i, _ in SPLITS for k in ("group", "rtn")],
+                                                         {"gemv_bn32_bc2_split3-group", "gemv_bn32_bc2_split3-rtn",
+                                                          "gemm_bm16_bn16_bc16_split2-group",
+                                                          "gemm_bm16_bn16_bc16_split2-rtn"}))
 def test_split_k_and_tile_sizes_agree(path, tiles, kind, poison_empty):
     """K split over programs, run twice (the arrival counters reset); two tokens and two row blocks."""
     in_f = 192 if path == "gemv" else 1100

@@ -56,8 +56,15 @@ def test_the_patch_is_undone_when_the_block_raises(model, tokens):
     assert torch.equal(_logits(model, tokens), dense)
 
 
-@pytest.mark.parametrize(("block_size", "sparsity"), [(4, 0.5), (4, 0.75), (8, 0.5), (6, 0.6)],
-                         ids=["b4-s50", "b4-s75", "b8-s50", "b6-s60"])
+# The patched attention runs Triton's interpreter on CPU (25-70 s a case on 2 cores): make test keeps the odd
+# block size (6, 60%); the other targets are -m slow.
+slow = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("block_size", "sparsity"), [pytest.param(4, 0.5, id="b4-s50", marks=slow),
+                                                      pytest.param(4, 0.75, id="b4-s75", marks=slow),
+                                                      pytest.param(8, 0.5, id="b8-s50", marks=slow),
+                                                      pytest.param(6, 0.6, id="b6-s60")])
 def test_achieved_sparsity_meets_the_target(model, tokens, block_size, sparsity):
     dense = _logits(model, tokens)
     cfg = ProxyAttnConfig(sparsities=(sparsity,), block_size=block_size)
@@ -183,9 +190,10 @@ def test_left_padding_gives_padded_keys_no_proxy_mass():
 
 
 @pytest.mark.parametrize(("kv_heads", "group_size", "pooling", "budget_from"),
-                         [(2, None, "mean", "head"), (2, 4, "max", "head"), (4, None, "mean", "proxy"),
-                          (1, 2, "mean", "proxy")],
-                         ids=["gqa-group", "two-kv-heads-pooled-max", "mha-per-head", "mqa-half-groups"])
+                         [pytest.param(2, None, "mean", "head", id="gqa-group"),
+                          pytest.param(2, 4, "max", "head", id="two-kv-heads-pooled-max", marks=slow),
+                          pytest.param(4, None, "mean", "proxy", id="mha-per-head", marks=slow),
+                          pytest.param(1, 2, "mean", "proxy", id="mqa-half-groups")])
 def test_group_and_pooling_settings_run(tokens, kv_heads, group_size, pooling, budget_from):
     model = tiny_llama(kv_heads=kv_heads)
     cfg = ProxyAttnConfig(sparsities=(0.5,), block_size=8, group_size=group_size, pooling=pooling,
@@ -195,6 +203,7 @@ def test_group_and_pooling_settings_run(tokens, kv_heads, group_size, pooling, b
     assert torch.isfinite(out).all() and handle.achieved_sparsity() == pytest.approx(0.5, abs=0.03)
 
 
+@pytest.mark.slow  # ~190 s on 2 cores; evaluate_loss under a patch is fast in test_quoka, the proxyattn patch above
 def test_evaluate_loss_runs_under_the_patch(model):
     import numpy as np
 
