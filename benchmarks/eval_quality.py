@@ -17,7 +17,7 @@ log-likelihood per character of the continuation (``len_norm``).
 An item agrees when both its ``acc`` and its ``len_norm`` predictions are the same in the two
 (goal of issue 16: >= 99.5% of items). Prints, per task, scalelab's acc and len_norm with Wilson
 intervals, the reference's accuracies, the agreement and the largest per-choice log-likelihood
-difference, as a markdown table for the README, and the wall time of both scorers (the model is
+difference, as a markdown table for docs/evaluation.md, and the wall time of both scorers (the model is
 loaded and run once before both timings). Writes ``<out>/eval_quality.csv`` (per task) and
 ``<out>/eval_quality_choices.csv`` (per item and choice: both log-likelihoods). Exits 1 when the
 agreement goal is not met.

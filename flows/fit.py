@@ -103,7 +103,7 @@ def gather_points(reports: Path, cfg: FitConfig = FitConfig()) -> GatheredPoints
     return GatheredPoints(points=kept.select(keep_cols), excluded_runs=excluded, n_column=n_column)
 
 
-# The columns of reports/decisions.csv, in order (README, "Decisions").
+# The columns of reports/decisions.csv, in order (docs/decisions.md, "Reading the output").
 DECISION_COLUMNS = ("variant", "reference", "target", "kind", "comparison", "budget", "budget_kind", "run",
                     "reference_run", "delta", "ci_low", "ci_high", "p_value", "p_holm", "decision", "n_docs",
                     "n_seeds", "sigma_doc", "sigma_seed", "repeats_data", "D_opt_variant", "D_opt_reference",
@@ -218,7 +218,7 @@ def fit_flow(
         publish_table(run, "fit", ctx.preset, law_table(report),
                       "Scaling laws L(N, D) = E + A/N^alpha + B/D^beta with bootstrap intervals",
                       "A law is *identified* only if its intervals are narrow enough, |rho(alpha, beta)| is small "
-                      "and its backtest is close (README, 'Fits'); every reason is in reports/fits.json.")
+                      "and its backtest is close (docs/fit.md); every reason is in reports/fits.json.")
         decided = sum(r["decision"] != "undecided" for r in rows)
         print(f"fit: {len(report.get('variants', {}))} laws, {len(gathered.excluded_runs)} runs excluded; "
               f"{len(rows)} paired comparisons against {decisions['reference']!r}, {decided} decided "

@@ -34,7 +34,7 @@ the largest single-weight errors came out 10-13x round-to-nearest's. The default
   nearest level is nearest under any positive weight of its own.
 
 With both, the same artifact scored 736 / 82.9 / 50.7 (``benchmarks/quant_quality.py``; the
-README has the table). The nesting, the frozen planes and the monotone error in ``k`` are as in the
+table is in docs/compression.md). The nesting, the frozen planes and the monotone error in ``k`` are as in the
 paper.
 
 On disk per quantized weight (rows, cols): ``<name>.planes`` uint8 (max_bits, rows, ceil(cols / 8)),

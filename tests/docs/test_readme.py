@@ -2,8 +2,8 @@
 
 The repository's files (``git ls-files``: tracked and new, uncommitted edits included, as a clone
 of this working tree would hold them) are copied to a new folder that becomes its own git
-repository, and each command of each ```bash block of README.md and docs/*.md runs there in the
-order the text gives, through ``bash``, with only these substitutions:
+repository, and each command of each ```bash block of README.md and of every Markdown page under
+docs/ (by path) runs there in the order the text gives, through ``bash``, with only these substitutions:
 
 * ``--preset demo`` and ``--preset full`` become ``--preset ci``, and the copy's
   ``params/pipeline.yaml`` defaults to ``ci``, so ``make demo``, ``dvc repro`` and
@@ -48,7 +48,7 @@ from tests.processes import stop_process_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(sys.prefix)
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 TIMEOUT_S = 1800
 
 
@@ -56,7 +56,7 @@ TIMEOUT_S = 1800
 
 @dataclass(frozen=True)
 class Command:
-    doc: str    # "README.md"
+    doc: str    # "README.md", "docs/pruning.md"
     line: int
     text: str   # the command as written, comment and trailing '&' removed
     comment: str = ""
@@ -102,7 +102,7 @@ def doc_commands(path: Path) -> list[Command]:
             m = _LINE.match(raw.strip())
             cmd, comment = m["cmd"].strip(), (m["comment"] or "").strip()
             background = cmd.endswith("&")
-            out.append(Command(path.name, start + offset, cmd.rstrip("&").strip(), comment, background))
+            out.append(Command(str(path.relative_to(ROOT)), start + offset, cmd.rstrip("&").strip(), comment, background))
     return out
 
 

@@ -2,7 +2,7 @@
 process worker, and the ``nightly-ci`` deployment run through it to COMPLETED with its artifacts.
 
 Slow (~4-5 min on 2 cores: the ci pipeline runs end to end): ``.venv/bin/python -m pytest -m slow
-tests/infra/test_prefect_deployment.py``. Every command is the one a user types (README, "Schedules");
+tests/infra/test_prefect_deployment.py``. Every command is the one a user types (docs/running.md, "Scheduled runs");
 the run's ``workdir`` is a temp folder, so nothing is written into the repository. The server's
 scheduler is off: the cron schedules of ``refit`` (hourly) and ``nightly-ci`` (02:00 UTC) would
 otherwise start runs that write into the repository's default workdirs while the test is up.
