@@ -131,7 +131,7 @@ def test_extra_branches_and_an_arch_arm_add_series_rows_and_leave_the_ladder_in_
 
     points = gather_points(reports).points
     assert set(points.filter(pl.col("point") == "anneal")["run"]) == {"d16_l1_D512", "d32_l1_D512"}
-    fit_cfg = FitConfig(decisions=DecisionConfig(n_bootstrap=50, fit_bootstrap=4, nested_bootstrap=2, grid_steps=9,
+    fit_cfg = FitConfig(decisions=DecisionConfig(n_bootstrap=100, fit_bootstrap=0, nested_bootstrap=0, grid_steps=9,
                                                  per_source=False, downstream_bpb=False))
     out = run_decisions(reports, points, fit_cfg)
     observed = [r for r in out["rows"] if r["kind"] == "observed" and r["variant"] == "raw+xlstm"]
