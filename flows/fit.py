@@ -54,6 +54,8 @@ def _train_runs(t: pl.DataFrame, n_definition: str) -> tuple[pl.DataFrame, str]:
                      else d).alias("diverged"))
     if "compute_budget" in t.columns:
         cols.append(pl.col("compute_budget").cast(pl.Float64))
+    if "point" in t.columns:
+        cols.append(pl.col("point").cast(pl.String))
     return t.select(cols), n_column
 
 
@@ -99,7 +101,8 @@ def gather_points(reports: Path, cfg: FitConfig = FitConfig()) -> GatheredPoints
         ).drop("setting", "N_own", "D_own"))
     points = pl.concat(frames, how="diagonal_relaxed")
     kept, excluded = exclude_runs(points, cfg.max_epochs)
-    keep_cols = ["variant", "N", "D", "loss", *(c for c in ("run", "C", "compute_budget", "series") if c in kept.columns)]
+    keep_cols = ["variant", "N", "D", "loss",
+                 *(c for c in ("run", "C", "compute_budget", "point", "series") if c in kept.columns)]
     return GatheredPoints(points=kept.select(keep_cols), excluded_runs=excluded, n_column=n_column)
 
 

@@ -5,7 +5,7 @@ raw training split, tokenizes each variant and the shared validation split, then
 (variant, size, tokens) point as its own task (a Ray task asking for a GPU under ``runner: ray``).
 Under ``schedule: wsd`` each (variant, size) is one task: a stable run and a cooldown branch per
 budget. Writes ``models/trained/<variant>/<run>/``, ``reports/train.csv`` (N counted both ways,
-``flops_total``, ``epochs``, ``unique_tokens``, ``diverged``), ``reports/train_curves.csv`` and
+``flops_total``, ``epochs``, ``unique_tokens``, ``diverged``, ``point``), ``reports/train_curves.csv`` and
 ``reports/val_by_source.csv`` (each run's loss per corpus source, over every validation token) and
 ``reports/val_docs.parquet`` (each run's summed loss per validation document, for paired
 per-document comparisons of variants). A run's ``val_loss`` is its mean over the whole validation
@@ -15,6 +15,12 @@ split (``val_tokens`` scored targets); ``train_curves.csv`` stays on the first `
 own folders); those runs go to ``reports/train_seeds.csv`` (train.csv's columns) and, with their
 ``seed``, to ``val_docs.parquet``, never to train.csv (``seed`` column: the base seed), so every
 later stage still reads one run per ladder point and registers base-seed models only.
+
+train.csv's ``point`` is ``ladder`` for a point of the design and ``anneal`` for an extra cooldown
+branch of ``training.extra_branches`` (no ``compute_budget``): the fit stage's laws use both, the
+per-budget "best run" comparisons and registered ``best-<budget>`` models only ladder points, and
+the stages that pick trained models (``flows/evaluate_models.trained_models``) skip anneal points.
+``training.arch_compare`` adds the series ``<variant>+xlstm`` (or ``+llama``) on the same points.
 """
 
 from __future__ import annotations
@@ -41,9 +47,9 @@ from tasks.common.lineage import DataRef, budget_label, data_ref, log_datasets, 
 from tasks.common.parallel import set_process_threads
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.training.config import TrainingConfig
-from tasks.training.design import seed_sizes
+from tasks.training.arms import training_arms
+from tasks.training.design import arch_specs, seed_sizes
 from tasks.training.loop import RunSpec, ladder, read_doc_losses, train_model, train_size_wsd
-from tasks.training.repb import repb_arms
 from tasks.training.tokenizer import encode_corpus, encode_corpus_segments, load_tokens, save_tokens, train_tokenizer
 
 
@@ -128,10 +134,11 @@ OWNER_FILE = "owner.json"
 
 
 def folder_key(cfg: TrainingConfig) -> dict:
-    """The config a model folder is keyed by: ``cfg`` less the list of extra seeds, so adding or
-    removing an extra seed leaves every other run's folder (and the base runs of older ladders) in
-    place. An extra-seed arm's ``seed`` differs, which gives it folders of its own."""
-    return {k: v for k, v in to_dict(cfg).items() if k not in ("seeds", "seed_sizes")}
+    """The config a model folder is keyed by: ``cfg`` less the lists of extra seeds, extra branches
+    and arch arms, so adding or removing one leaves every other run's folder (and the base runs of
+    older ladders) in place. An extra-seed arm's ``seed`` differs, an arch arm's ``arch``, which
+    gives each folders of its own."""
+    return {k: v for k, v in to_dict(cfg).items() if k not in ("seeds", "seed_sizes", "extra_branches", "arch_compare")}
 
 
 @task(name="train-size", retries=0, cache_policy=NO_CACHE)
@@ -171,7 +178,7 @@ def train_size(
                 "tokens": spec.tokens, "arch": cfg.arch, "schedule": cfg.schedule, "lr": spec.lr,
                 "data_pruning": "repb" if cfg.repb.enabled else "none", "compute_budget": spec.compute_budget,
                 "d_model": spec.shape.d_model, "n_layers": spec.shape.n_layers, "n_heads": spec.shape.n_heads,
-                "steps": spec.steps,
+                "steps": spec.steps, "point": spec.point,
             }
             runs[spec.name] = stack.enter_context(tracked_run(
                 f"train:{variant}:{spec.name}{tail}", uri=parent.uri, experiment=parent.experiment, parent=parent,
@@ -267,7 +274,8 @@ def register_best_models(run, rows: list[dict]) -> dict[str, str]:
     Returns ``{alias as "name@alias": model_id}``."""
     best: dict[tuple[str, str], dict] = {}
     for r in rows:
-        if r.get("model_id") is None or not math.isfinite(r["val_loss"]):
+        # an anneal point (training.extra_branches) is no point of the design's budgets
+        if r.get("model_id") is None or not math.isfinite(r["val_loss"]) or r.get("point") == "anneal":
             continue
         budget = budget_label(r["compute_budget"]) if r.get("compute_budget") else budget_label(r["tokens"])
         key = (r["variant"], budget)
@@ -341,6 +349,9 @@ def train_flow(
         not_trained = [v for v in cfg.repb.compare if v not in variants]
         if not_trained:
             raise ValueError(f"training.repb.compare names {not_trained[0]!r}, not among the trained variants {variants}")
+        not_trained = [v for v in cfg.arch_compare if v not in variants]
+        if not_trained:
+            raise ValueError(f"training.arch_compare names {not_trained[0]!r}, not among the trained variants {variants}")
         specs = ladder(cfg)
         seeded = seed_sizes(cfg, specs)  # the sizes the extra seeds retrain; raises naming seed_sizes
         jobs, keep_dirs, labels = [], set(), set()
@@ -351,8 +362,11 @@ def train_flow(
             log_datasets(run, [data_ref(ctx.workdir, layout.curated / variant / "kept.parquet", variant)], "training")
             data = (data_ref(ctx.workdir, train_path, variant), val_ref)
             digest = file_digest(train_path, val_path)
-            # A variant in training.repb.compare also trains pruned, reported as <variant>+repb.
-            for suffix, arm_cfg in repb_arms(cfg, variant):
+            # A variant in training.repb.compare also trains pruned, reported as <variant>+repb, and
+            # one in training.arch_compare with the other architecture, as <variant>+xlstm (or +llama).
+            for suffix, arm_cfg in training_arms(cfg, variant):
+                # an arch arm trains the same points (names, steps), counted for its architecture
+                arm_specs = specs if arm_cfg.arch == cfg.arch else arch_specs(specs, arm_cfg)
                 label = variant + suffix
                 labels.add(label)
                 # Extra seeds retrain the plain arm only: RePB's comparison arm stays base-seed.
@@ -360,11 +374,11 @@ def train_flow(
                     extra = seed != arm_cfg.seed
                     seed_cfg = dataclasses.replace(arm_cfg, seed=seed, seeds=(), seed_sizes=()) if extra else arm_cfg
                     key = folder_key(seed_cfg)
-                    for group in size_jobs(cfg, specs):
+                    for group in size_jobs(cfg, arm_specs):
                         if extra and group[0].size not in seeded:
                             continue
                         # Keyed by what made it, so a changed config or corpus never reuses a stale result.
-                        out_dirs = [layout.trained / label / f"{spec.name}-{config_hash(key, spec, digest)}" for spec in group]
+                        out_dirs = [layout.trained / label / f"{spec.name}-{config_hash(key, spec.key(), digest)}" for spec in group]
                         stable = None
                         if cfg.schedule == "wsd":
                             stable = layout.trained / label / f"stable-{group[0].size}-{config_hash(key, group[0].size, digest)}"

@@ -55,7 +55,7 @@ def validation_spec(train_cfg: TrainingConfig, cfg: FitConfig, largest_budget: f
     per_token = model_flops_per_token(shape, train_cfg.seq_len, train_cfg.vocab_size, train_cfg.arch).total
     tokens = int(v.budget_multiple * largest_budget / per_token)
     one = dataclasses.replace(train_cfg, sizes=(shape,), compute_budgets=(), token_budgets=(tokens,),
-                              seeds=(), seed_sizes=())
+                              seeds=(), seed_sizes=(), extra_branches=())
     (spec,) = ladder(one)
     return spec
 

@@ -220,10 +220,14 @@ def observed_differences(frame: pl.DataFrame, runs: pl.DataFrame, reference: str
 def with_budget(runs: pl.DataFrame) -> tuple[pl.DataFrame, str]:
     """Add ``budget``: the IsoFLOP compute budget where the ladder has one (points outside the grid
     get none), else each run's token budget (a sizes x tokens grid). Returns the frame and which
-    (``"flops"`` or ``"tokens"``)."""
+    (``"flops"`` or ``"tokens"``). Extra annealed points (``point == "anneal"``, train.csv) get
+    none either way: they are no budget of the design."""
     if "compute_budget" in runs.columns and runs["compute_budget"].drop_nulls().len():
         return runs.with_columns(pl.col("compute_budget").cast(pl.Float64).alias("budget")), "flops"
-    return runs.with_columns(pl.col("D").cast(pl.Float64).alias("budget")), "tokens"
+    budget = pl.col("D").cast(pl.Float64)
+    if "point" in runs.columns:
+        budget = pl.when(pl.col("point") == "anneal").then(None).otherwise(budget)
+    return runs.with_columns(budget.alias("budget")), "tokens"
 
 
 def ranking_agreement(best_losses: Mapping[float, Mapping[str, float]]) -> dict:

@@ -149,6 +149,18 @@ class TrainingConfig:
     those sizes (empty: every size); under WSD a seed covers a whole size, its stable run and every
     cooldown branch. Extra-seed runs are reported beside the ladder (``reports/train_seeds.csv``),
     never in it, so the fits see one run per point.
+
+    **Extra annealed points.** ``extra_branches`` (fractions f in (0, 1), ``schedule: wsd`` only):
+    every ladder point of D tokens also gets a cooldown branch at ``f * D`` tokens from its size's
+    stable run (:func:`tasks.training.design.anneal_points`) -- more properly annealed (N, D)
+    points for the laws at the cost of their cooldowns only, since the stable run already passes
+    their branch points. They carry no ``compute_budget`` and ``point: anneal`` in train.csv, so the
+    per-budget comparisons and the downstream stages leave them out.
+
+    **Architecture arms.** ``arch_compare`` names data variants also trained with the other
+    architecture (``xlstm`` when ``arch: llama`` and vice versa), reported as ``<variant>+<arch>``
+    (``raw+xlstm``) on the same points, data, steps and seed, as ``repb.compare``'s arms
+    (:func:`tasks.training.arms.training_arms`).
     """
 
     vocab_size: int = 4096  # the tokenizer's size; the tokenizer is trained to exactly this
@@ -188,6 +200,8 @@ class TrainingConfig:
     # Tiny models on a busy 2-core machine run several times faster on 1 thread.
     num_threads: int = 0
     variants: tuple[str, ...] = ()  # curated variants to train; empty = every variant
+    extra_branches: tuple[float, ...] = ()  # wsd: a cooldown branch at f * D per ladder point; empty: none
+    arch_compare: tuple[str, ...] = ()  # variants also trained with the other arch, as <variant>+<arch>
     repb: RePBConfig = field(default_factory=RePBConfig)
 
     def __post_init__(self) -> None:
@@ -247,6 +261,20 @@ class TrainingConfig:
         require(not self.seed_sizes or bool(self.seeds), "seed_sizes",
                 f"is {list(self.seed_sizes)} but seeds is empty: extra seeds that cover no point; "
                 "add seeds or clear seed_sizes")
+        require(all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 < f < 1.0
+                    for f in self.extra_branches), "extra_branches",
+                f"fractions of each point's tokens must lie in (0, 1), got {list(self.extra_branches)}")
+        require(len(set(self.extra_branches)) == len(self.extra_branches), "extra_branches",
+                f"has duplicates: {list(self.extra_branches)}")
+        require(not self.extra_branches or self.schedule == "wsd", "extra_branches",
+                f"branches from a stable run need schedule: wsd, got {self.schedule!r}; clear extra_branches")
+        require(len(set(self.arch_compare)) == len(self.arch_compare), "arch_compare",
+                f"has duplicates: {list(self.arch_compare)}")
+
+    @property
+    def other_arch(self) -> str:
+        """The architecture ``arch_compare``'s arms train: ``xlstm`` for ``llama`` and vice versa."""
+        return "xlstm" if self.arch == "llama" else "llama"
 
     @property
     def tokens_per_step(self) -> int:

@@ -12,11 +12,13 @@ Two designs (:class:`~tasks.training.config.TrainingConfig`):
 
 Every point also carries its schedule: the peak lr of its width (``TrainingConfig.lr_for``), its
 warmup, and under ``schedule: wsd`` the step at which its cooldown starts — the step where it
-branches off its size's stable run (Hägele et al. 2024).
+branches off its size's stable run (Hägele et al. 2024). ``extra_branches`` adds, per ladder point
+of D tokens, a cooldown branch at ``f * D`` tokens from the same stable run (:func:`anneal_points`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -33,7 +35,11 @@ class RunSpec:
 
     ``decay_start`` (WSD only) is the first cooldown step: steps ``[0, decay_start)`` are shared with
     the size's stable run. ``compute_budget`` is the IsoFLOP budget the point belongs to (None in
-    a grid design).
+    a grid design; None for every ``anneal`` point).
+
+    ``point`` is ``ladder`` for a point of the design and ``anneal`` for an extra cooldown branch of
+    ``extra_branches``. It labels the point and changes none of its numbers, so it is left out of
+    :meth:`key` (what folders and fingerprints are keyed by).
     """
 
     name: str
@@ -49,6 +55,11 @@ class RunSpec:
     decay_start: int | None = None
     compute_budget: float | None = None
     flops_per_token: float = 0.0
+    point: str = "ladder"  # ladder | anneal
+
+    def key(self) -> dict[str, Any]:
+        """The spec as run folders and fingerprints are keyed: every field but the ``point`` label."""
+        return {k: v for k, v in self.to_dict().items() if k != "point"}
 
     @property
     def tokens_trained(self) -> int:
@@ -118,7 +129,59 @@ def ladder(cfg: TrainingConfig) -> list[RunSpec]:
             specs.append(RunSpec(**r, warmup_steps=warmup, decay_start=decay_start))
         else:
             specs.append(RunSpec(**r, warmup_steps=cosine_warmup_steps(r["steps"], cfg.warmup_frac)))
+    specs += anneal_points(cfg, specs)
     return sorted(specs, key=lambda s: (s.n_params_total, s.tokens))
+
+
+def anneal_points(cfg: TrainingConfig, specs: list[RunSpec]) -> list[RunSpec]:
+    """The extra cooldown branches of ``extra_branches`` (WSD): for every ladder point of D tokens
+    and each fraction f, a point of ``round(f * D)`` tokens of the same size, cooling down over
+    the last ``cooldown_frac`` of its own steps from the size's stable run (Hägele et al. 2024:
+    any stable-run checkpoint can be annealed into a full run at the cost of its cooldown).
+
+    A point of ``round(f * D / tokens_per_step)`` steps that a size already has (a ladder point or
+    an earlier fraction's) is not repeated. Anneal points share their size's warmup and lr, have
+    no ``compute_budget`` and ``point: anneal``. Raises ``ValueError`` naming ``extra_branches``
+    when a point's cooldown would start inside the warmup.
+    """
+    if not cfg.extra_branches:
+        return []
+    per_step = cfg.tokens_per_step
+    have = {(s.size, s.steps) for s in specs}
+    out = []
+    for spec in sorted(specs, key=lambda s: (s.n_params_total, s.tokens)):
+        for f in cfg.extra_branches:
+            tokens = max(1, round(f * spec.tokens))
+            steps = max(1, round(tokens / per_step))
+            if (spec.size, steps) in have:
+                continue
+            have.add((spec.size, steps))
+            decay_start = steps - max(1, round(cfg.cooldown_frac * steps))
+            name = run_name(spec.shape, tokens)
+            if spec.warmup_steps > decay_start:
+                raise ValueError(f"extra_branches: fraction {f} of {spec.name} gives {name} ({steps} steps), whose "
+                                 f"cooldown starts at step {decay_start}, inside the {spec.warmup_steps} warmup "
+                                 "steps; raise the fraction or lower warmup_steps")
+            out.append(dataclasses.replace(spec, name=name, tokens=tokens, steps=steps, decay_start=decay_start,
+                                           compute_budget=None, point="anneal"))
+    return out
+
+
+def arch_specs(specs: list[RunSpec], cfg: TrainingConfig) -> list[RunSpec]:
+    """``specs`` recounted for ``cfg.arch``: the same points (name, shape, tokens, steps, schedule)
+    with that architecture's parameter counts and FLOPs per token.
+
+    An ``arch_compare`` arm trains the reference arm's points, so the two pair up run by run at
+    equal steps; ``compute_budget`` stays the design budget the point belongs to (the arm's own
+    training FLOPs are its ``flops_total``).
+    """
+    out = []
+    for s in specs:
+        counts = parameter_counts(s.shape, cfg.vocab_size, cfg.arch, cfg.seq_len)
+        out.append(dataclasses.replace(
+            s, n_params=counts.non_embedding, n_params_total=counts.total,
+            flops_per_token=model_flops_per_token(s.shape, cfg.seq_len, cfg.vocab_size, cfg.arch).total))
+    return out
 
 
 def seed_sizes(cfg: TrainingConfig, specs: list[RunSpec]) -> list[str]:

@@ -178,7 +178,9 @@ class TrainResult:
 
 # The extra seeds are other runs (each trains with ``seed`` replaced), not a change to this one.
 _NOT_IN_FINGERPRINT = ("sizes", "token_budgets", "compute_budgets", "sizes_per_budget", "tokens_per_param_guess",
-                       "variants", "checkpoint_interval", "compile", "num_threads", "seeds", "seed_sizes")
+                       "variants", "checkpoint_interval", "compile", "num_threads", "seeds", "seed_sizes",
+                       # which points and arms the ladder trains, not what one run is
+                       "extra_branches", "arch_compare")
 
 
 def run_fingerprint(spec: RunSpec, cfg: TrainingConfig) -> str:
@@ -187,7 +189,7 @@ def run_fingerprint(spec: RunSpec, cfg: TrainingConfig) -> str:
     # Performance knobs are left out: they change float summation order, not what the run is.
     for k in _NOT_IN_FINGERPRINT:
         c.pop(k, None)
-    blob = json.dumps({"cfg": c, "spec": spec.to_dict()}, sort_keys=True)
+    blob = json.dumps({"cfg": c, "spec": spec.key()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -197,7 +199,7 @@ def stable_fingerprint(spec: RunSpec, cfg: TrainingConfig) -> str:
     The stable phase's lr is the warmup and then the constant peak (:func:`lr_at`), so the budget,
     the step count and the cooldown start are left out.
     """
-    shared = {k: v for k, v in spec.to_dict().items()
+    shared = {k: v for k, v in spec.key().items()
               if k not in ("name", "tokens", "steps", "decay_start", "compute_budget")}
     c = to_dict(cfg)
     for k in _NOT_IN_FINGERPRINT:

@@ -23,13 +23,17 @@ TINY = {  # two sizes x two budgets, WSD; raw and a second variant; one extra se
 }
 
 
-def tiny_root(tmp_path: Path) -> tuple[Path, Path]:
-    """A project root whose `ci` training preset is TINY, and a workdir with prepared and curated text."""
+def set_ci_preset(root: Path, preset: dict) -> None:
+    params = yaml.safe_load((root / "params" / "training.yaml").read_text())
+    params["presets"]["ci"] = preset
+    (root / "params" / "training.yaml").write_text(yaml.safe_dump(params))
+
+
+def tiny_root(tmp_path: Path, preset: dict = TINY) -> tuple[Path, Path]:
+    """A project root whose `ci` training preset is ``preset``, and a workdir with prepared and curated text."""
     root = tmp_path / "root"
     shutil.copytree(ROOT / "params", root / "params")
-    params = yaml.safe_load((root / "params" / "training.yaml").read_text())
-    params["presets"]["ci"] = TINY
-    (root / "params" / "training.yaml").write_text(yaml.safe_dump(params))
+    set_ci_preset(root, preset)
     rng = random.Random(0)
     words = [f"w{i}" for i in range(60)]
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 80))) for _ in range(300)]
@@ -85,3 +89,52 @@ def test_train_flow_writes_doc_losses_per_seed_and_keeps_seeds_out_of_train_csv(
     assert all((work / d).is_dir() for d in [*train["model_dir"], *seeds["model_dir"]])
     assert pl.read_csv(reports / "train_seeds.csv").equals(seeds)
     assert pl.read_parquet(reports / "val_docs.parquet").equals(docs)
+
+
+def test_extra_branches_and_an_arch_arm_add_series_rows_and_leave_the_ladder_in_place(prefect_harness, tmp_path):
+    """``extra_branches: [0.5]`` adds one anneal point per size (0.5 x 2048 is the ladder's 1024: skipped);
+    ``arch_compare: [raw]`` trains ``raw+xlstm`` on the same points; the ladder trained before keeps its
+    folders and numbers, and the fit stage's decisions compare ``raw+xlstm`` against ``raw``."""
+    from flows.fit import gather_points, run_decisions
+    from flows.train import train_flow
+    from tasks.scaling.config import DecisionConfig, FitConfig
+
+    plain = TINY | {"variants": ["raw"], "seeds": [], "seed_sizes": []}
+    root, work = tiny_root(tmp_path, plain)
+    train_flow(root=str(root), preset="ci", workdir=str(work))
+    reports = work / "reports"
+    before = pl.read_csv(reports / "train.csv")
+    assert before["point"].to_list() == ["ladder"] * 4
+
+    set_ci_preset(root, plain | {"extra_branches": [0.5], "arch_compare": ["raw"]})
+    train_flow(root=str(root), preset="ci", workdir=str(work))
+    train = pl.read_csv(reports / "train.csv")
+    cols = ["run", "model_dir", "steps", "val_loss"]
+    again = train.filter(pl.col("variant") == "raw", pl.col("point") == "ladder")
+    assert again.select(cols).sort("run").equals(before.select(cols).sort("run"))  # same folders, same numbers
+    runs = sorted(["d16_l1_D1024", "d16_l1_D2048", "d32_l1_D1024", "d32_l1_D2048", "d16_l1_D512", "d32_l1_D512"])
+    for series, arch in (("raw", "llama"), ("raw+xlstm", "xlstm")):
+        rows = train.filter(pl.col("variant") == series)
+        assert sorted(rows["run"]) == runs and set(rows["arch"]) == {arch} and set(rows["data_variant"]) == {"raw"}
+        anneal = rows.filter(pl.col("point") == "anneal")
+        assert sorted(anneal["run"]) == ["d16_l1_D512", "d32_l1_D512"] and set(anneal["steps"]) == {4}
+    pair = train.pivot(on="variant", index="run", values="steps")
+    assert (pair["raw"] == pair["raw+xlstm"]).all()  # equal steps, run by run
+    xl = train.filter(pl.col("variant") == "raw+xlstm")
+    assert set(xl["model_dir"]).isdisjoint(train.filter(pl.col("variant") == "raw")["model_dir"])
+    assert (xl.sort("run")["n_params_total"] != train.filter(pl.col("variant") == "raw").sort("run")["n_params_total"]).all()
+
+    docs = pl.read_parquet(reports / "val_docs.parquet")
+    assert sorted(docs.filter(pl.col("variant") == "raw+xlstm")["run"].unique()) == runs
+    per = docs.group_by("variant", "run").agg(pl.len().alias("n"))
+    assert per["n"].n_unique() == 1  # every run of both series scored the same documents
+
+    points = gather_points(reports).points
+    assert set(points.filter(pl.col("point") == "anneal")["run"]) == {"d16_l1_D512", "d32_l1_D512"}
+    fit_cfg = FitConfig(decisions=DecisionConfig(n_bootstrap=100, fit_bootstrap=0, nested_bootstrap=0, grid_steps=9,
+                                                 per_source=False, downstream_bpb=False))
+    out = run_decisions(reports, points, fit_cfg)
+    observed = [r for r in out["rows"] if r["kind"] == "observed" and r["variant"] == "raw+xlstm"]
+    assert {r["run"] for r in observed if r["comparison"] == "same_size"} == set(runs)
+    # per-budget "best" comparisons see the ladder's token budgets only, not the anneal points'
+    assert {r["budget"] for r in observed if r["comparison"] == "best"} == {1024.0, 2048.0}

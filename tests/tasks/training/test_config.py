@@ -83,6 +83,18 @@ def test_seed_config_errors_name_the_key(change, match):
         tiny_config(**change)
 
 
+@pytest.mark.parametrize("change, match", [
+    (dict(schedule="wsd", extra_branches=(0.0,)), r"extra_branches.*\(0, 1\)"),
+    (dict(schedule="wsd", extra_branches=(1.0,)), r"extra_branches.*\(0, 1\)"),
+    (dict(schedule="wsd", extra_branches=(0.5, 0.5)), r"extra_branches.*duplicates"),
+    (dict(schedule="cosine", extra_branches=(0.5,)), r"extra_branches.*schedule: wsd"),
+    (dict(arch_compare=("raw", "raw")), r"arch_compare.*duplicates"),
+], ids=["zero", "one", "duplicate", "cosine", "arch-duplicate"])
+def test_extra_branch_and_arch_compare_errors_name_the_key(change, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(**change)
+
+
 def test_seed_sizes_must_have_a_point_in_the_ladder():
     """An IsoFLOP design may train no point of a size; extra seeds on it would cover nothing."""
     shapes = tuple(ModelShape(d_model=d, n_layers=1, n_heads=2) for d in (8, 16, 32, 64))

@@ -191,3 +191,40 @@ def test_every_wsd_point_writes_doc_losses_and_a_rerun_reuses_them(data, tmp_pat
     assert after["doc"].to_list() == before["doc"].to_list() and after["tokens"].to_list() == before["tokens"].to_list()
     assert after["loss_sum"].to_list() == pytest.approx(before["loss_sum"].to_list(), rel=1e-12)
     assert json.loads(old.read_text())["val_loss"] == rescored[0].val_loss
+
+
+def test_extra_branches_add_anneal_points_from_the_stable_run_and_leave_the_ladder_alone():
+    """``extra_branches``: per ladder point of D tokens, a cooldown branch at f * D tokens (its own
+    decay_start), no compute_budget, ``point: anneal``; duplicates of existing points are skipped and
+    the ladder's points are unchanged (the same specs and folder keys)."""
+    cfg = wsd_config(token_budgets=(2560, 5120), cooldown_frac=0.2, warmup_steps=2)  # 20 and 40 steps of 128
+    base = ladder(cfg)
+    specs = ladder(dataclasses.replace(cfg, extra_branches=(0.25, 0.5)))
+    ladder_points = [s for s in specs if s.point == "ladder"]
+    assert ladder_points == base and [s.key() for s in ladder_points] == [s.key() for s in base]
+    anneal = {s.name: s for s in specs if s.point == "anneal"}
+    # 0.5 of 5120 is 2560, the ladder's own point: skipped; 0.25 of 5120 = 0.5 of 2560 = 1280: once
+    assert sorted(anneal) == ["d32_l1_D1280", "d32_l1_D640"]
+    a = anneal["d32_l1_D1280"]
+    assert (a.steps, a.decay_start, a.warmup_steps, a.compute_budget, a.lr) == (10, 8, 2, None, base[0].lr)
+    assert (anneal["d32_l1_D640"].steps, anneal["d32_l1_D640"].decay_start) == (5, 4)
+    # every branch point lies on the one stable run, which still ends at the longest point's
+    assert stable_steps(specs) == [4, 8, 16, 32] and max(s.steps for s in specs) == base[-1].steps
+    assert [(s.n_params_total, s.tokens) for s in specs] == sorted((s.n_params_total, s.tokens) for s in specs)
+    with pytest.raises(ValueError, match="extra_branches"):  # cooldown of a 1-step point inside a 2-step warmup
+        ladder(dataclasses.replace(cfg, extra_branches=(0.05,)))
+
+
+def test_extra_branches_anneal_point_is_trained_from_the_stable_run(data, tmp_path):
+    """An anneal point trains as one more cooldown branch of its size; the ladder point's result is
+    the one trained without extra branches (same fingerprint, same numbers)."""
+    cfg = wsd_config(token_budgets=(2048,))  # 16 steps of 128 tokens
+    train, val = data
+    (plain,) = ladder(cfg)
+    (only,) = train_size_wsd([plain], cfg, train, val, [tmp_path / "a" / "p"], tmp_path / "a" / "stable")
+    extra = dataclasses.replace(cfg, extra_branches=(0.5,))
+    specs = ladder(extra)
+    assert [s.point for s in specs] == ["anneal", "ladder"]
+    results = train_size_wsd(specs, extra, train, val, [tmp_path / "b" / s.name for s in specs], tmp_path / "b" / "stable")
+    assert results[1].val_loss == only.val_loss  # the ladder point: bit for bit on CPU
+    assert results[0].steps == 8 and results[0].shared_steps == 6 and math.isfinite(results[0].val_loss)
