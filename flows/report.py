@@ -609,7 +609,7 @@ def decision_lines(reports: Reports) -> list[str]:
                      f"of {len(backtest['pairs'])}.")
     sigma = (decisions.get("sigma_seed") or {}).get("value")
     lines.append("Delta = loss(series) - loss(reference) on the same validation documents, best run per budget; "
-                 "95% intervals over documents" + (f" and seeds (sigma_seed {_fmt(sigma)} nats)" if sigma else "")
+                 "95% intervals over documents" + (f" and seeds (sigma_seed {_fmt(sigma)} nats, the seed spread of a one-seed Delta)" if sigma else "")
                  + "; better/worse after Holm's correction; every target and ladder point in reports/decisions.csv.")
     return lines
 

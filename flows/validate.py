@@ -35,7 +35,7 @@ from tasks.common.provenance import git_state
 from tasks.scaling.compute_optimal import fit_flops_per_token
 from tasks.scaling.config import FitConfig
 from tasks.scaling.decisions import (
-    WHOLE_SPLIT, doc_losses, document_weights, paired_difference, seed_sigma, series_points, with_budget,
+    WHOLE_SPLIT, doc_losses, document_weights, paired_difference, seed_sigma_delta, series_points, with_budget,
 )
 from tasks.scaling.joint import ExponentGrid, bootstrap_joint, fit_joint, point_differences
 from tasks.training.config import ModelShape, TrainingConfig
@@ -131,7 +131,8 @@ def validate_flow(root: str = ".", preset: str | None = None, workdir: str | Non
                           for v, r in trained.items()]).select("variant", "run", "seed", "doc", "source", "tokens",
                                                                    "loss_sum")
         ladder_docs = layout.reports / "val_docs.parquet"
-        sigma = seed_sigma(doc_losses(pl.read_parquet(ladder_docs), WHOLE_SPLIT))[0] if ladder_docs.exists() else None
+        sigma = (seed_sigma_delta(doc_losses(pl.read_parquet(ladder_docs), WHOLE_SPLIT), prediction["reference"])[0]
+                 if ladder_docs.exists() else None)
         d = doc_losses(docs, WHOLE_SPLIT)
         weights = document_weights(len(d.docs), cfg.decisions.n_bootstrap, cfg.decisions.seed)
         table = []

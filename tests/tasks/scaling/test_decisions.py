@@ -10,7 +10,7 @@ from tasks.scaling.compute_optimal import FlopsPerToken
 from tasks.scaling.config import DecisionConfig
 from tasks.scaling.decisions import (
     backtest_decisions, decide, decision_report, doc_losses, document_weights, observed_differences,
-    paired_difference, ranking_agreement, seed_sigma,
+    paired_difference, ranking_agreement, seed_sigma, seed_sigma_delta,
 )
 from tasks.scaling.joint import ExponentGrid
 
@@ -59,24 +59,29 @@ def test_unequal_documents_follow_the_ratio_estimator():
 
 
 def test_seed_noise_widens_the_interval_by_its_variance():
+    # A seed moves every series' loss by a shared amount (it cancels in Delta) plus its own
+    # (it does not): sigma_seed is the spread of the one-seed paired Delta, and the interval of the
+    # two-seed mean widens by sigma_seed^2 / 2.
     rng = np.random.default_rng(2)
     n, t = 300, 40
     base = rng.uniform(3, 5, n) * t
     per_doc = {}
-    for s, shift in ((0, 0.0), (1, 0.05)):  # a seed moves every document's loss by a constant
-        per_doc[("raw", "r", s)] = base + shift * t
-        per_doc[("x", "r", s)] = base + (shift + 0.01) * t + rng.normal(0, 0.02, n) * t
+    for s, shared, own in ((0, 0.0, 0.0), (1, 0.05, 0.02)):
+        per_doc[("raw", "r", s)] = base + shared * t
+        per_doc[("x", "r", s)] = base + (shared + own + 0.01) * t + rng.normal(0, 0.02, n) * t
     d = doc_losses(doc_frame(per_doc, np.full(n, t)))
-    sigma, dof = seed_sigma(d)
-    assert dof == 2 and sigma > 0.02
+    sigma, dof = seed_sigma_delta(d, "raw")
+    assert dof == 1 and sigma == pytest.approx(0.02 / np.sqrt(2), abs=0.003)
+    per_run, _ = seed_sigma(d)
+    assert per_run > 2 * sigma  # the shared part of a seed's effect inflates the per-run spread
     w = document_weights(n, 3000, 0)
     keys = lambda v: [(v, "r", 0), (v, "r", 1)]  # noqa: E731
     without = paired_difference(d, keys("x"), keys("raw"), w, sigma_seed=None, confidence=0.95)
     with_seed = paired_difference(d, keys("x"), keys("raw"), w, sigma_seed=sigma, confidence=0.95)
     width = lambda r: r["ci_high"] - r["ci_low"]  # noqa: E731
-    expected = 2 * 1.96 * np.sqrt(without["sigma_doc"] ** 2 + sigma ** 2 * (1 / 2 + 1 / 2))
+    expected = 2 * 1.96 * np.sqrt(without["sigma_doc"] ** 2 + sigma ** 2 / 2)
     assert width(with_seed) == pytest.approx(expected, rel=0.1)
-    assert with_seed["n_seeds"] == 2
+    assert with_seed["n_seeds"] == 2 and with_seed["sigma_seed"] == pytest.approx(sigma / np.sqrt(2))
 
 
 def test_decide_holm_and_direction():
