@@ -12,7 +12,8 @@ pipeline; not part of ``make demo``.
 2. Train that point on the reference and every compared series with the ladder's own recipe, and
    score the whole validation split per document.
 3. Observed Delta with the document bootstrap and the ladder's seed noise (``sigma_seed`` from
-   reports/val_docs.parquet); *hit* when the predicted interval covers it. Writes
+   reports/val_docs.parquet); *hit* when the prediction interval (the joint fit's paired bootstrap
+   plus one pair's seed noise, written in step 1) covers it. Writes
    ``reports/validation/validation.csv`` and prints the table.
 """
 
@@ -60,9 +61,10 @@ def validation_spec(train_cfg: TrainingConfig, cfg: FitConfig, largest_budget: f
     return spec
 
 
-def predict(points: pl.DataFrame, cfg: FitConfig, spec: RunSpec) -> dict:
+def predict(points: pl.DataFrame, cfg: FitConfig, spec: RunSpec, run_sd: float | None) -> dict:
     """The pre-registered prediction: the joint fit on the ladder, its paired bootstrap, Delta at
-    (N, D) of ``spec`` per compared series."""
+    (N, D) of ``spec`` per compared series; with ``run_sd`` (the ladder's seed spread of a one-seed
+    Delta) also the prediction interval for the one pair the check trains."""
     d = cfg.decisions
     runs = points.filter(pl.col("series") == "trained") if "series" in points.columns else points
     trained = sorted(runs["variant"].unique().to_list())
@@ -74,11 +76,11 @@ def predict(points: pl.DataFrame, cfg: FitConfig, spec: RunSpec) -> dict:
     fit = fit_joint(data, shared=d.shared, grid=grid)
     boot = bootstrap_joint(data, fit, n_bootstrap=d.fit_bootstrap, seed=d.seed, grid=grid)
     rows = point_differences(fit, boot, d.reference, compared, spec.n_params_total, spec.tokens_trained,
-                             d.confidence)
+                             d.confidence, run_sd=run_sd, seed=d.seed)
     return {"written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git": git_state(str(Path(__file__).resolve().parents[1])), "run": spec.name, "n_params_total": spec.n_params_total,
             "tokens": spec.tokens_trained, "flops": spec.tokens_trained * spec.flops_per_token,
-            "reference": d.reference, "confidence": d.confidence, "joint": fit.to_dict(),
+            "reference": d.reference, "confidence": d.confidence, "joint": fit.to_dict(), "run_sd": run_sd,
             "n_bootstrap": d.fit_bootstrap, "predictions": rows}
 
 
@@ -106,6 +108,9 @@ def validate_flow(root: str = ".", preset: str | None = None, workdir: str | Non
         runs, _ = with_budget(gathered.points.filter(pl.col("series") == "trained"))
         largest = float(runs["compute_budget"].max()) if runs["compute_budget"].drop_nulls().len() else float(runs["C"].max())
         spec = validation_spec(train_cfg, cfg, largest)
+        ladder_docs = layout.reports / "val_docs.parquet"
+        sigma = (seed_sigma_delta(doc_losses(pl.read_parquet(ladder_docs), WHOLE_SPLIT), cfg.decisions.reference)[0]
+                 if ladder_docs.exists() else None)
         path = out / PREDICTIONS
         if path.exists() and not force:
             prediction = read_json(path)
@@ -114,7 +119,7 @@ def validate_flow(root: str = ".", preset: str | None = None, workdir: str | Non
                                  f"{spec.name}; run with --force to predict again (the old prediction is replaced)")
             print(f"validate: scoring against the prediction written {prediction['written_at']} ({path})")
         else:
-            prediction = predict(gathered.points, cfg, spec)
+            prediction = predict(gathered.points, cfg, spec, sigma)
             write_json(path, prediction)
             print(f"validate: predictions for {spec.name} (N {spec.n_params_total:,}, D {spec.tokens_trained:,}) "
                   f"written to {path} before training")
@@ -130,9 +135,6 @@ def validate_flow(root: str = ".", preset: str | None = None, workdir: str | Non
                                                        pl.lit(0).alias("seed"), pl.lit("val").alias("source"))
                           for v, r in trained.items()]).select("variant", "run", "seed", "doc", "source", "tokens",
                                                                    "loss_sum")
-        ladder_docs = layout.reports / "val_docs.parquet"
-        sigma = (seed_sigma_delta(doc_losses(pl.read_parquet(ladder_docs), WHOLE_SPLIT), prediction["reference"])[0]
-                 if ladder_docs.exists() else None)
         d = doc_losses(docs, WHOLE_SPLIT)
         weights = document_weights(len(d.docs), cfg.decisions.n_bootstrap, cfg.decisions.seed)
         table = []
@@ -142,8 +144,12 @@ def validate_flow(root: str = ".", preset: str | None = None, workdir: str | Non
                                   confidence=cfg.decisions.confidence, seed=cfg.decisions.seed)
             table.append({"variant": v, "reference": ref, "run": spec.name, "N": spec.n_params_total,
                           "D": spec.tokens_trained, "predicted": p["delta"], "predicted_ci_low": p["ci_low"],
-                          "predicted_ci_high": p["ci_high"], "observed": o["delta"], "observed_ci_low": o["ci_low"],
-                          "observed_ci_high": o["ci_high"], "hit": bool(p["ci_low"] <= o["delta"] <= p["ci_high"]),
+                          "predicted_ci_high": p["ci_high"], "predicted_pi_low": p.get("pi_low"),
+                          "predicted_pi_high": p.get("pi_high"), "observed": o["delta"], "observed_ci_low": o["ci_low"],
+                          "observed_ci_high": o["ci_high"],
+                          # a single trained pair is checked against the prediction interval (the law's
+                          # bootstrap plus one pair's seed noise); a prediction without it, the law's interval
+                          "hit": bool(p.get("pi_low", p["ci_low"]) <= o["delta"] <= p.get("pi_high", p["ci_high"])),
                           "sign_right": bool((p["delta"] < 0) == (o["delta"] < 0)),
                           "epochs": trained[v]["epochs"], "loss": trained[v]["val_loss"],
                           "reference_loss": trained[ref]["val_loss"]})
@@ -151,7 +157,7 @@ def validate_flow(root: str = ".", preset: str | None = None, workdir: str | Non
         frame = write_table(ctx, "validation/validation", table, run)
         run.log_metrics({"hits": sum(r["hit"] for r in table), "pairs": len(table)})
         with pl.Config(tbl_rows=50, tbl_cols=12, float_precision=4):
-            print(frame.select("variant", "reference", "predicted", "predicted_ci_low", "predicted_ci_high",
+            print(frame.select("variant", "reference", "predicted", "predicted_pi_low", "predicted_pi_high",
                                "observed", "observed_ci_low", "observed_ci_high", "hit"))
         print(f"validate: {sum(r['hit'] for r in table)} of {len(table)} predicted intervals cover the observed "
               f"Delta -> {out / 'validation.csv'}")

@@ -68,8 +68,8 @@ class ValidationConfig:
     """The pre-registered run beyond the ladder (``scalelab validate``): a model of this shape trained
     on ``budget_multiple`` x the ladder's largest budget (``fit.validation``)."""
 
-    d_model: int = 96
-    n_layers: int = 4
+    d_model: int = 112
+    n_layers: int = 3
     n_heads: int = 4
     budget_multiple: float = 3.0
 

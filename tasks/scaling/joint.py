@@ -533,9 +533,14 @@ def projected_differences(point: JointFit, boot: JointBootstrap, reference: str,
 
 
 def point_differences(point: JointFit, boot: JointBootstrap, reference: str, compared: Sequence[str],
-                      N: float, D: float, confidence: float) -> list[dict]:
+                      N: float, D: float, confidence: float, *, run_sd: float | None = None,
+                      seed: int = 0) -> list[dict]:
     """Predicted Delta = L_v(N, D) - L_ref(N, D) at one (N, D) off the ladder, with a percentile
-    interval over the paired bootstrap: the prediction a pre-registered run is checked against."""
+    interval over the paired bootstrap (``ci_low``, ``ci_high``: where the law's Delta lies) and,
+    given ``run_sd`` (the seed spread of a one-seed Delta), a prediction interval for one trained
+    pair (``pi_low``, ``pi_high``: the bootstrap plus N(0, run_sd^2)) -- what a single pre-registered
+    run is checked against."""
+
     def law(p: np.ndarray) -> np.ndarray:
         with np.errstate(all="ignore"):
             return p[:, 0] + p[:, 1] / N ** p[:, 3] + p[:, 2] / D ** p[:, 4]
@@ -547,7 +552,10 @@ def point_differences(point: JointFit, boot: JointBootstrap, reference: str, com
         reps = law(boot.samples[v]) - ref_boot
         reps = reps[np.isfinite(reps)]
         lo, hi = np.quantile(reps, [lo_q, 1 - lo_q]) if len(reps) else (np.nan, np.nan)
+        pred = reps + (np.random.default_rng([seed, 2]).normal(0.0, run_sd, len(reps)) if run_sd else 0.0)
+        pi_lo, pi_hi = np.quantile(pred, [lo_q, 1 - lo_q]) if len(pred) else (np.nan, np.nan)
         rows.append({"variant": v, "reference": reference, "N": float(N), "D": float(D),
+                     "pi_low": float(pi_lo), "pi_high": float(pi_hi), "run_sd": run_sd,
                      "predicted_loss": float(point.loss(v, N, D)), "predicted_reference_loss": float(point.loss(reference, N, D)),
                      "delta": float(point.loss(v, N, D) - point.loss(reference, N, D)),
                      "ci_low": float(lo), "ci_high": float(hi), "n_replicates": int(len(reps))})
