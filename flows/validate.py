@@ -39,6 +39,7 @@ from tasks.scaling.decisions import (
     WHOLE_SPLIT, doc_losses, document_weights, paired_difference, seed_sigma_delta, series_points, with_budget,
 )
 from tasks.scaling.joint import ExponentGrid, bootstrap_joint, fit_joint, point_differences
+from tasks.training.arms import training_arms
 from tasks.training.config import ModelShape, TrainingConfig
 from tasks.training.design import RunSpec, ladder
 from tasks.training.loop import read_doc_losses, train_model
@@ -124,10 +125,18 @@ def validate_flow(root: str = ".", preset: str | None = None, workdir: str | Non
             print(f"validate: predictions for {spec.name} (N {spec.n_params_total:,}, D {spec.tokens_trained:,}) "
                   f"written to {path} before training")
         names = [prediction["reference"], *(p["variant"] for p in prediction["predictions"])]
+        data_variant = {r["variant"]: r.get("data_variant") or r["variant"]
+                        for r in pl.read_csv(layout.reports / "train.csv").iter_rows(named=True)}
         jobs = []
         for v in names:
-            folder = layout.workdir / "models" / "validation" / v / f"{spec.name}-{config_hash(train_cfg, spec)}"
-            jobs.append(dict(variant=v, spec=spec, cfg=train_cfg, train_path=str(layout.tokens / f"{v}.npy"),
+            # a series' own recipe: the plain arm, or e.g. raw+repb's (training_arms), on its data's tokens
+            arms = {data_variant[v] + suffix: arm for suffix, arm in training_arms(train_cfg, data_variant[v])}
+            arm_cfg = arms.get(v)
+            if arm_cfg is None or arm_cfg.arch != train_cfg.arch:
+                raise ValueError(f"validate: {v} has no arm of training.arch {train_cfg.arch!r} to train at "
+                                 f"{spec.name} (another architecture's N differs); leave it out with fit.decisions.compared")
+            folder = layout.workdir / "models" / "validation" / v / f"{spec.name}-{config_hash(arm_cfg, spec)}"
+            jobs.append(dict(variant=v, spec=spec, cfg=arm_cfg, train_path=str(layout.tokens / f"{data_variant[v]}.npy"),
                              val_path=str(layout.tokens / "val.npy"), val_docs_path=str(layout.tokens / "val.docs.npy"),
                              out_dir=str(folder)))
         trained = {r["variant"]: r for r in map_tasks(ctx.pipeline, train_point, jobs)}
