@@ -121,6 +121,9 @@ def checked_ladder(ctx: Context, cfg: TrainingConfig, tokens: dict[str, int], va
     if run is not None:
         write_table(ctx, "feasibility", feasibility_frame(feas), run)
         run.set_tags(feasibility_tags(feas))
+        train = [c for c in feas.checks if c.stage == "train"]
+        run.log_metrics({f"feasibility.variants_{s}": sum(c.status == s for c in train) for s in ("ok", "shrunk", "skipped")}
+                        | {"feasibility.stage_skips": sum(c.stage != "train" and c.status == "skipped" for c in feas.checks)})
     if feas.failed:
         raise FeasibilityError(feas.message())
     if not feas.trained:

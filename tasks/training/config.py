@@ -192,6 +192,10 @@ class TrainingConfig:
     architecture (``xlstm`` when ``arch: llama`` and vice versa), reported as ``<variant>+<arch>``
     (``raw+xlstm``) on the same points, data, steps and seed, as ``repb.compare``'s arms
     (:func:`tasks.training.arms.training_arms`).
+
+    **Feasibility.** ``feasibility`` (:class:`FeasibilityConfig`) says what happens to a variant whose
+    tokens cannot hold its ladder or the later stages' windows; it decides which points train, never
+    what a run is, so it is left out of model folders' keys and runs' fingerprints.
     """
 
     vocab_size: int = 4096  # the tokenizer's size; the tokenizer is trained to exactly this

