@@ -11,6 +11,7 @@
     scalelab select --preset ci             # DDCF fine-tuning data selection -> reports/ddcf.csv
     scalelab prune --model smollm2 --method cosine_drop --set n_remove=2 --out pruned/
     scalelab distill --teacher smollm2 --student pruned/ --loss csd --data-select paser --out recovered/
+    scalelab plan --preset ci               # each variant's tokens, ladder, FLOPs and time, before training
     scalelab check-params                   # load every params file under every preset
     scalelab report [--workdir DIR]         # what a finished workdir found (rewrites reports/summary.md)
     scalelab serve                          # scheduled deployments on this machine
@@ -75,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workdir", help="where data/, models/, reports/ and mlflow.db go (default: --root)")
     run.add_argument("--runner", choices=("local", "ray"), help="task runner (default: pipeline.runner)")
     run.add_argument("--ray-address", help="join this Ray cluster (e.g. auto, ray://head:10001)")
+
+    plan = sub.add_parser("plan", help="before training: each variant's tokens and the ladder it will get "
+                         "(feasibility check), training FLOPs, time on this machine, points that repeat data")
+    _common(plan)
+    plan.add_argument("--workdir", help="the workdir whose curated data is checked (default: --root)")
+    plan.add_argument("--no-timing", dest="timing", action="store_false",
+                     help="skip the few timed optimizer steps (no time estimate)")
 
     cur = sub.add_parser("curate", help="curate any JSONL/Parquet corpus with a named recipe")
     cur.add_argument("--input", required=True, nargs="+", type=Path, help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file(s) or globs with a `text` column")
@@ -210,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args, root)
+        if args.command == "plan":
+            return _plan(args, root)
         if args.command == "curate":
             return _curate(args, root)
         if args.command == "fit":
@@ -285,6 +295,16 @@ def _run(args: argparse.Namespace, root: Path) -> int:
 
         print_summary(build_summary(load_reports(ctx.layout.reports)))
     return 0
+
+
+def _plan(args: argparse.Namespace, root: Path) -> int:
+    """Print the train stage's plan (flows/plan.py); 2 when the feasibility check would stop it."""
+    from flows.plan import print_plan, training_plan
+    from flows.runtime import make_context
+
+    plan = training_plan(make_context(root, preset=args.preset, workdir=args.workdir), measure=args.timing)
+    print_plan(plan)
+    return 2 if plan.feasibility is not None and plan.feasibility.failed else 0
 
 
 def _report(workdir: Path) -> int:

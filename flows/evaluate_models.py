@@ -6,6 +6,7 @@ from pathlib import Path
 
 import polars as pl
 
+from flows.feasibility import SECTION_STAGE, left_out
 from flows.runtime import Context
 
 
@@ -17,18 +18,27 @@ def trained_models(ctx: Context, names: tuple[str, ...] = (), variants: tuple[st
 
     Rows with ``point == "anneal"`` (extra cooldown branches, ``training.extra_branches``) are
     skipped: they add points to the scaling laws, not models to compress, prune, sparsify or
-    evaluate, so those stages' cost stays the ladder's."""
+    evaluate, so those stages' cost stays the ladder's. Series that the train stage's feasibility
+    check left out of this stage (reports/feasibility.csv; the stage is ``key``'s section) are
+    absent, not an error: each is named with the reason."""
     table = ctx.layout.reports / "train.csv"
     if not table.exists():
         raise FileNotFoundError(f"{table}: no trained models; run `scalelab run train` first")
     rows = [r for r in pl.read_csv(table).to_dicts()
             if not r.get("diverged") and r.get("point") != "anneal"]  # a diverged run has no model
+    # Series the train stage's feasibility check left out of this stage are absent, with the reason said
+    section = key.split(".")[0]
+    stage = SECTION_STAGE.get(section, section)
+    absent = left_out(ctx.layout.reports, stage)
+    for series in sorted(s for s in absent if not variants or s in variants):
+        print(f"{stage}: {series} left out by the feasibility check ({absent[series]})")
     if variants:
         trained = sorted({r["variant"] for r in rows})
-        unknown = [v for v in variants if v not in trained]
+        unknown = [v for v in variants if v not in trained and v not in absent]
         if unknown:
             raise ValueError(f"{key} names {unknown[0]!r}, not a trained series of {table} ({trained})")
         rows = [r for r in rows if r["variant"] in variants]
+    rows = [r for r in rows if r["variant"] not in absent]
     if names:
         known = {r["run"] for r in rows}
         missing = [n for n in names if n not in known]

@@ -5,6 +5,7 @@ Run: ``scalelab run fit [--preset ci]`` (reads reports/{train,compress,sparse_ev
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import polars as pl
 from prefect import flow
 
 from flows.artifacts import law_table, publish_table
+from flows.feasibility import left_out
 from flows.report import PRETRAINED
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.io import write_csv
@@ -153,7 +155,15 @@ def decision_metrics(rows: list[dict], decisions: dict) -> dict[str, float]:
 def run_decisions(reports: Path, points: pl.DataFrame, cfg: FitConfig) -> dict:
     """The decisions of :func:`tasks.scaling.decisions.decision_report` on this workdir's reports:
     per-document losses from ``val_docs.parquet`` (every seed), unique tokens per series from
-    train.csv, downstream bits per byte from the evaluate stage's items."""
+    train.csv, downstream bits per byte from the evaluate stage's items. A reference or compared
+    series the train stage's feasibility check left untrained is absent: said in ``skipped``."""
+    dcfg, absent = cfg.decisions, left_out(reports, "fit")
+    if dcfg.reference in absent or (dcfg.compared and all(v in absent for v in dcfg.compared)):
+        # what the decisions compare was left untrained by the feasibility check: absent, not an error
+        gone = [v for v in (dcfg.reference, *dcfg.compared) if v in absent]
+        return {"reference": dcfg.reference, "compared": [], "confidence": dcfg.confidence, "rows": [],
+                "skipped": [f"{v} was not trained ({absent[v]}): no comparison" for v in gone]}
+    dcfg = dataclasses.replace(dcfg, compared=tuple(v for v in dcfg.compared if v not in absent))
     docs_path = reports / "val_docs.parquet"
     docs = None
     if docs_path.exists():
@@ -172,8 +182,9 @@ def run_decisions(reports: Path, points: pl.DataFrame, cfg: FitConfig) -> dict:
     source = ref if ref.height else trained
     flops = fit_flops_per_token(source["N"].to_numpy(), source["D"].to_numpy(),
                                 source["C"].to_numpy() if "C" in source.columns else 6 * source["N"] * source["D"])
-    return decision_report(points, docs, cfg.decisions, flops=flops, unique_tokens=unique,
-                           downstream=downstream_items(reports))
+    out = decision_report(points, docs, dcfg, flops=flops, unique_tokens=unique, downstream=downstream_items(reports))
+    out["skipped"] += [f"{v} was not trained ({absent[v]}): no comparison" for v in cfg.decisions.compared if v in absent]
+    return out
 
 
 @flow(name="fit", log_prints=True)

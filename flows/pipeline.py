@@ -15,6 +15,7 @@ from flows.compress import compress_flow
 from flows.curate import curate_flow
 from flows.evaluate import evaluate_flow
 from flows.fit import fit_flow
+from flows.plan import print_plan, training_plan
 from flows.prepare import prepare_flow
 from flows.select import select_flow
 from flows.prune import prune_flow
@@ -64,6 +65,8 @@ def pipeline_flow(
         workdir=ctx.workdir,
     ) as run:
         for name in chosen:
+            if name == "train":  # after curation, before any training: tokens, ladders, FLOPs, time (flows/plan.py)
+                print_plan(training_plan(ctx))
             results[name] = STAGE_FLOWS[name](
                 root=str(ctx.root), preset=ctx.preset, workdir=str(ctx.workdir),
                 runner=ctx.pipeline.runner, parent_run_id=run.run_id,

@@ -37,7 +37,7 @@ REPORT_FILES: dict[str, str] = {
     "compute_optimal.csv": "fit",
 }
 # Optional extras: read when present, never reported missing (the prune stage is not part of every run).
-OPTIONAL_FILES = ("downstream_comparisons.csv", "pruning.csv", "decisions.csv")
+OPTIONAL_FILES = ("downstream_comparisons.csv", "pruning.csv", "decisions.csv", "feasibility.csv")
 # Columns the summary needs from each CSV (a file without one is refused, naming it).
 REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
     "curation.csv": ("variant", "docs_in", "docs_kept", "tokens_kept"),
@@ -49,6 +49,7 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
                             "tokens_per_param_ci_high", "loss_pred", "inside_measured_range"),
     "downstream_comparisons.csv": ("verdict",),
     "pruning.csv": ("variant", "model", "setting", "method", "removed_fraction", "recovery_loss", "data_select", "ppl"),
+    "feasibility.csv": ("variant", "stage", "tokens", "need", "status", "reason"),
     "decisions.csv": ("variant", "reference", "target", "kind", "comparison", "budget", "delta", "ci_low", "ci_high",
                       "decision", "n_docs", "n_seeds"),
 }
@@ -554,6 +555,24 @@ def curation_section(reports: Reports) -> Section:
     return sec
 
 
+def feasibility_section(reports: Reports) -> tuple[Section, list[str]]:
+    """The train stage's feasibility check (feasibility.csv): per variant its training tokens, whether
+    it trained all its points, some (shrunk) or none (skipped), and the later stages it was left out of;
+    a headline line per variant left untrained."""
+    table = reports.tables["feasibility.csv"]
+    sec = Section("Feasibility: what each variant's tokens allowed (reports/feasibility.csv)",
+                  ["variant", "tokens", "training", "left out of"])
+    for variant in dict.fromkeys(table["variant"].to_list()):
+        mine = table.filter(pl.col("variant") == variant).to_dicts()
+        train = next((r for r in mine if r["stage"] == "train"), None)
+        out = [r["stage"] for r in mine if r["stage"] != "train" and r["status"] in ("skipped", "failed")]
+        sec.rows.append([variant, _fmt(mine[0]["tokens"]), train["status"] if train else "—", ", ".join(out) or "—"])
+        sec.notes += [f"{variant}: {r['stage']} {r['status']}: {r['reason']}" for r in mine if r["status"] != "ok"]
+    untrained = table.filter((pl.col("stage") == "train") & (pl.col("status") != "ok") & (pl.col("status") != "shrunk"))
+    return sec, [f"{r['variant']} was not trained ({r['status']} by the feasibility check): {r['reason']}"
+                 for r in untrained.iter_rows(named=True)]
+
+
 def _verdict(r: dict, unit: str = "nats") -> str:
     """``better by 0.021 [0.012, 0.030] nats`` / ``undecided: +0.004 [-0.003, 0.011]``."""
     ci = f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]"
@@ -619,6 +638,10 @@ def build_summary(reports: Reports) -> Summary:
     sections, headline = [], []
     if "curation.csv" in reports.tables and reports.tables["curation.csv"].height:
         sections.append(curation_section(reports))
+    if "feasibility.csv" in reports.tables and reports.tables["feasibility.csv"].height:
+        sec, lines = feasibility_section(reports)
+        sections.append(sec)
+        headline += lines
     present = set(reports.tables) | set(reports.json)
     # (any of these files present -> the section)
     for needs, make in ((("fits.json",), law_section), (("fits.json", "train.csv"), winner_section),

@@ -37,6 +37,7 @@ import polars as pl
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.feasibility import checked_ladder
 from flows.progress import progress_bars
 from flows.artifacts import publish_table, train_table
 from flows.runtime import Context, config_hash, map_tasks
@@ -135,10 +136,11 @@ OWNER_FILE = "owner.json"
 
 def folder_key(cfg: TrainingConfig) -> dict:
     """The config a model folder is keyed by: ``cfg`` less the lists of extra seeds, extra branches
-    and arch arms, so adding or removing one leaves every other run's folder (and the base runs of
-    older ladders) in place. An extra-seed arm's ``seed`` differs, an arch arm's ``arch``, which
+    and arch arms and the feasibility settings (which points train, not what one is), so adding or
+    removing one leaves every other run's folder (and the base runs of older ladders) in place. An extra-seed arm's ``seed`` differs, an arch arm's ``arch``, which
     gives each folders of its own."""
-    return {k: v for k, v in to_dict(cfg).items() if k not in ("seeds", "seed_sizes", "extra_branches", "arch_compare")}
+    return {k: v for k, v in to_dict(cfg).items()
+            if k not in ("seeds", "seed_sizes", "extra_branches", "arch_compare", "feasibility")}
 
 
 @task(name="train-size", retries=0, cache_policy=NO_CACHE)
@@ -352,13 +354,17 @@ def train_flow(
         not_trained = [v for v in cfg.arch_compare if v not in variants]
         if not_trained:
             raise ValueError(f"training.arch_compare names {not_trained[0]!r}, not among the trained variants {variants}")
+        token_paths = {v: ensure_tokens(tokenizer, layout.curated / v / "kept.parquet", layout.tokens / f"{v}.npy",
+                                        layout.tokenizer) for v in variants}
+        # Before any training: each variant's ladder as its tokens allow (training.feasibility)
+        cfg, feas = checked_ladder(ctx, cfg, {v: len(load_tokens(p)) for v, p in token_paths.items()},
+                                   len(load_tokens(val_path)), run)
         specs = ladder(cfg)
         seeded = seed_sizes(cfg, specs)  # the sizes the extra seeds retrain; raises naming seed_sizes
         jobs, keep_dirs, labels = [], set(), set()
         val_ref = data_ref(ctx.workdir, val_path, "val")
-        for variant in variants:
-            train_path = ensure_tokens(tokenizer, layout.curated / variant / "kept.parquet",
-                                       layout.tokens / f"{variant}.npy", layout.tokenizer)
+        for variant in feas.trained:
+            train_path = token_paths[variant]
             log_datasets(run, [data_ref(ctx.workdir, layout.curated / variant / "kept.parquet", variant)], "training")
             data = (data_ref(ctx.workdir, train_path, variant), val_ref)
             digest = file_digest(train_path, val_path)
@@ -366,7 +372,8 @@ def train_flow(
             # one in training.arch_compare with the other architecture, as <variant>+xlstm (or +llama).
             for suffix, arm_cfg in training_arms(cfg, variant):
                 # an arch arm trains the same points (names, steps), counted for its architecture
-                arm_specs = specs if arm_cfg.arch == cfg.arch else arch_specs(specs, arm_cfg)
+                arm_specs = feas.ladders[variant]
+                arm_specs = arm_specs if arm_cfg.arch == cfg.arch else arch_specs(arm_specs, arm_cfg)
                 label = variant + suffix
                 labels.add(label)
                 # Extra seeds retrain the plain arm only: RePB's comparison arm stays base-seed.
@@ -427,7 +434,7 @@ def train_flow(
         multi_epoch = [r["run"] for r in rows if r["epochs"] > 1]
         run.log_metrics({"runs": len(rows), "seed_runs": len(seed_rows), "diverged_runs": len(diverged),
                          "multi_epoch_runs": len(multi_epoch)})
-        print(f"train: {len(rows)} runs over {len(variants)} variants -> {layout.reports / 'train.csv'}"
+        print(f"train: {len(rows)} runs over {len(feas.trained)} variants -> {layout.reports / 'train.csv'}"
               + (f"; {len(seed_rows)} extra-seed runs -> {layout.reports / 'train_seeds.csv'}" if seed_rows else "")
               + (f"; {len(diverged)} diverged" if diverged else "")
               + (f"; WARNING {len(multi_epoch)} runs above 1 epoch" if multi_epoch else ""))

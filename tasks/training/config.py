@@ -118,6 +118,37 @@ class RePBConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FeasibilityConfig:
+    """What the train stage does when a curated variant kept too few tokens for what the study asks of
+    it (checked after curation, before any training: :mod:`tasks.training.feasibility`).
+
+    A variant must hold its ladder's largest D within ``max_epochs`` passes over its training tokens,
+    and the training-token windows the later stages take from it (compress's and sparse_eval's
+    calibration, prune's calibration plus recovery). ``mode``:
+
+    * ``shrink`` (default): the variant keeps the ladder points its data allows within ``max_epochs``
+      and is left out of only the later stages it cannot feed; a variant with no point left is skipped;
+    * ``skip``: a variant short of anything is left out of training and every later stage;
+    * ``fail``: any shortfall stops the stage before training, naming every variant and key.
+
+    ``max_epochs``: passes over a variant's training tokens a point may make (the fit stage leaves
+    out runs above its own ``fit.max_epochs``, 1 by default, so points beyond it would be trained for
+    nothing). ``size_to_data``: scale the design's budgets (``token_budgets`` or
+    ``compute_budgets``, all by one factor) so that the ladder's largest D is ``max_epochs`` passes
+    over the smallest trained variant's training tokens (:func:`tasks.training.feasibility.sized_to_data`).
+    """
+
+    mode: Literal["fail", "skip", "shrink"] = "shrink"
+    max_epochs: float = 1.0
+    size_to_data: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.mode in ("fail", "skip", "shrink"), "mode", f"must be fail, skip or shrink, got {self.mode!r}")
+        require(self.max_epochs > 0 and math.isfinite(self.max_epochs), "max_epochs",
+                f"must be a positive number of passes, got {self.max_epochs}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
     """Everything the train stage needs: the ladder's design and one recipe for all rungs.
 
@@ -161,6 +192,10 @@ class TrainingConfig:
     architecture (``xlstm`` when ``arch: llama`` and vice versa), reported as ``<variant>+<arch>``
     (``raw+xlstm``) on the same points, data, steps and seed, as ``repb.compare``'s arms
     (:func:`tasks.training.arms.training_arms`).
+
+    **Feasibility.** ``feasibility`` (:class:`FeasibilityConfig`) says what happens to a variant whose
+    tokens cannot hold its ladder or the later stages' windows; it decides which points train, never
+    what a run is, so it is left out of model folders' keys and runs' fingerprints.
     """
 
     vocab_size: int = 4096  # the tokenizer's size; the tokenizer is trained to exactly this
@@ -203,6 +238,8 @@ class TrainingConfig:
     extra_branches: tuple[float, ...] = ()  # wsd: a cooldown branch at f * D per ladder point; empty: none
     arch_compare: tuple[str, ...] = ()  # variants also trained with the other arch, as <variant>+<arch>
     repb: RePBConfig = field(default_factory=RePBConfig)
+    # which variants and points are trained when the data is short (not part of any run's numbers)
+    feasibility: FeasibilityConfig = field(default_factory=FeasibilityConfig)
 
     def __post_init__(self) -> None:
         require(self.vocab_size >= 256, "vocab_size", f"must be >= 256 (byte-level BPE), got {self.vocab_size}")

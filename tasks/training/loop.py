@@ -180,7 +180,7 @@ class TrainResult:
 _NOT_IN_FINGERPRINT = ("sizes", "token_budgets", "compute_budgets", "sizes_per_budget", "tokens_per_param_guess",
                        "variants", "checkpoint_interval", "compile", "num_threads", "seeds", "seed_sizes",
                        # which points and arms the ladder trains, not what one run is
-                       "extra_branches", "arch_compare")
+                       "extra_branches", "arch_compare", "feasibility")
 
 
 def run_fingerprint(spec: RunSpec, cfg: TrainingConfig) -> str:

@@ -310,6 +310,11 @@ def check_run_all(sh: Shell, cmd: Command) -> None:
         assert (workdir / "reports" / name).exists(), f"{cmd}: no reports/{name} in {workdir}"
 
 
+def check_plan(sh: Shell, cmd: Command) -> None:
+    out = sh.ok(substituted(cmd)).stdout
+    assert "Training plan" in out and "Per series" in out, out[-2000:]
+
+
 def check_run_stage(sh: Shell, cmd: Command) -> None:
     report = sh.cwd / "reports" / f"{shlex.split(cmd.text)[2]}.csv"
     before = report.stat().st_mtime_ns if report.exists() else None
@@ -424,6 +429,7 @@ CHECKS = [
     Check(r"\.venv/bin/dvc repro", check_dvc_repro),
     Check(r"\.venv/bin/dvc exp run -S .*", check_dvc_exp),
     Check(r"\.venv/bin/scalelab check-params", check_params_ok),
+    Check(r"\.venv/bin/scalelab plan --preset \w+", check_plan),
     Check(r"\.venv/bin/scalelab curate --input \S+ --out \S+ --recipe \S+", check_curate),
     Check(r"\.venv/bin/scalelab prune --model \S+ --method \S+( --set \S+)* --out \S+", check_prune),
     Check(r"\.venv/bin/scalelab distill --teacher \S+ --student \S+ .* --out \S+", check_distill),
