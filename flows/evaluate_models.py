@@ -7,6 +7,7 @@ from pathlib import Path
 import polars as pl
 
 from flows.runtime import Context
+from flows.stage import FAILED, STATUS
 
 
 def trained_models(ctx: Context, names: tuple[str, ...] = (), variants: tuple[str, ...] = (),
@@ -15,14 +16,14 @@ def trained_models(ctx: Context, names: tuple[str, ...] = (), variants: tuple[st
     run name and by series (``variants``: the stage's ``<key>``, e.g. ``compression.variants``; empty
     = every trained series).
 
-    Rows with ``point == "anneal"`` (extra cooldown branches, ``training.extra_branches``) are
+    Rows of runs that failed (``status`` failed: no model) are skipped. Rows with ``point == "anneal"`` (extra cooldown branches, ``training.extra_branches``) are
     skipped: they add points to the scaling laws, not models to compress, prune, sparsify or
     evaluate, so those stages' cost stays the ladder's."""
     table = ctx.layout.reports / "train.csv"
     if not table.exists():
         raise FileNotFoundError(f"{table}: no trained models; run `scalelab run train` first")
-    rows = [r for r in pl.read_csv(table).to_dicts()
-            if not r.get("diverged") and r.get("point") != "anneal"]  # a diverged run has no model
+    rows = [r for r in pl.read_csv(table).to_dicts()  # a diverged or failed run has no model
+            if not r.get("diverged") and r.get("point") != "anneal" and r.get(STATUS) != FAILED]
     if variants:
         trained = sorted({r["variant"] for r in rows})
         unknown = [v for v in variants if v not in trained]
