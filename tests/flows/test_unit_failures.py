@@ -227,3 +227,29 @@ def test_a_flow_run_left_running_by_a_killed_process_is_marked_crashed(prefect_h
         assert states["dead"].type.value == "CRASHED" and str(gone.pid) in states["dead"].message
         assert states["alive"].type.value == "RUNNING"  # this process: alive
         assert client.read_flow_run(other.id).state.type.value == "RUNNING"  # another workdir's: not ours
+
+
+def test_a_failing_training_run_is_marked_and_later_stages_run_on_what_exists(ladder, tmp_path, monkeypatch):
+    import flows.train
+
+    root, work, (bad, good) = ladder
+    work = Path(shutil.copytree(work, tmp_path / "work", ignore=shutil.ignore_patterns(".prefect")))
+    original = flows.train.train_model
+
+    def train_model(spec, *args, **kwargs):
+        if spec.name == bad:
+            raise FloatingPointError(f"injected: {spec.name} blew up")
+        return original(spec, *args, **kwargs)
+
+    monkeypatch.setattr(flows.train, "train_model", train_model)
+    flows.train.train_flow(root=str(root), preset="ci", workdir=str(work))
+    train = pl.read_csv(work / "reports" / "train.csv")
+    (row,) = train.filter(pl.col("run") == bad).to_dicts()
+    assert row["status"] == "failed" and row["error"] == f"FloatingPointError: injected: {bad} blew up"
+    assert row["val_loss"] is None and row["model_dir"] is None and row["n_params"] > 0
+    assert train.filter(pl.col("run") == good)["status"].to_list() == ["ok"]
+    assert pl.read_csv(work / "reports" / "failures" / "train.csv")["unit"].to_list() == [f"raw/{bad}"]
+    # compress works on the model that exists; the failed run is no unit of it, failed or not
+    stage_flow("compress")(root=str(root), preset="ci", workdir=str(work))
+    compress = pl.read_csv(work / "reports" / "compress.csv")
+    assert set(compress["run"]) == {good} and set(compress["status"]) == {"ok"}
