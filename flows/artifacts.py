@@ -110,6 +110,18 @@ def compress_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
                   key=lambda r: (str(r["variant"]), str(r["model"]), r["bits_per_weight"] or 0))
 
 
+def pruning_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per model and setting (and recovery): parameters removed, perplexity, and whether it was kept."""
+    keys = ("variant", "model", "setting", "recovery_loss", "data_select", "removed_fraction", "ppl", "status")
+    return [{k: r.get(k) for k in keys} | {"kept": r.get("model_path") is not None} for r in rows]
+
+
+def selection_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per setting, target, method and budget: test accuracy and the labels it used."""
+    keys = ("setting", "target", "method", "k", "repeat", "accuracy", "labels_used", "selected_pool_accuracy", "status")
+    return [{k: r.get(k) for k in keys} for r in rows]
+
+
 def sparse_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     keys = ("model", "variant", "setting", "sparsity", "achieved_sparsity", "val_loss", "ppl", "delta_val_loss",
             "speedup", "retrieval_acc")

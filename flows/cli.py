@@ -294,7 +294,25 @@ def _run(args: argparse.Namespace, root: Path) -> int:
         from flows.report import build_summary, load_reports, print_summary
 
         print_summary(build_summary(load_reports(ctx.layout.reports)))
-    return 0
+    return _failed_units(ctx.layout.reports, None if args.stage == "all" else args.stage)
+
+
+def _failed_units(reports: Path, stage: str | None) -> int:
+    """Name on stderr the units that failed (of ``stage``, or of every stage for ``run all``); 1 for
+    ``run all`` when any did, 0 for one stage (``dvc repro`` goes on to the later stages, which run on
+    what exists; `scalelab report` and `run all` say it). docs/reliability.md: "One unit fails"."""
+    from flows.stage import read_failures
+
+    failures = read_failures(reports)
+    if stage is not None:
+        failures = failures.filter(failures["stage"] == stage)
+    for r in failures.iter_rows(named=True):
+        print(f"scalelab: {'warning' if stage else 'error'}: {r['stage']}: {r['unit']} failed: {r['error_type']}: "
+              f"{r['error']}", file=sys.stderr)
+    if failures.height:
+        print(f"scalelab: {failures.height} unit(s) failed; the others finished (reports/failures/, "
+              f"tracebacks in reports/failures/<stage>.log)", file=sys.stderr)
+    return 1 if failures.height and stage is None else 0
 
 
 def _plan(args: argparse.Namespace, root: Path) -> int:
@@ -309,7 +327,7 @@ def _plan(args: argparse.Namespace, root: Path) -> int:
 
 def _report(workdir: Path) -> int:
     """Print the summary of ``workdir`` and rewrite its reports/summary.md; 2 when files are missing
-    (what exists is still summarised) or the workdir has no reports."""
+    (what exists is still summarised) or the workdir has no reports, 1 when a unit of a stage failed."""
     from flows.report import print_summary, write_summary
 
     try:
@@ -320,7 +338,9 @@ def _report(workdir: Path) -> int:
     print_summary(summary)
     for line in summary.missing:
         print(f"scalelab: error: incomplete workdir: {line}", file=sys.stderr)
-    return 2 if summary.missing else 0
+    for line in summary.failures:
+        print(f"scalelab: error: {line}", file=sys.stderr)
+    return 2 if summary.missing else 1 if summary.failures else 0
 
 
 def _curate(args: argparse.Namespace, root: Path) -> int:

@@ -12,6 +12,7 @@ scored on the prepared validation text, both tokenized with their own tokenizer,
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,7 @@ from torch import nn
 
 from flows.artifacts import compress_table, publish_table
 from flows.evaluate_models import model_datasets, tokens_path, trained_models, val_tokens_path
-from flows.runtime import map_tasks
-from flows.stage import stage_context, stage_run, write_table
+from flows.stage import StageUnits, failures_path, mark_ok, stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.io import atomic_dir
 from tasks.common.lineage import DataRef, data_ref, log_datasets, log_model_ref
@@ -245,11 +245,29 @@ def compress_flow(
         ]
         if cfg.pretrained:
             resolve_llama_classes()
-        results = map_tasks(ctx.pipeline, compress_job, jobs)
-        rows = [r for rs in results[n_pre:] + results[:n_pre] for r in rs]  # the ladder's rows first, as before
+        names = [f"pretrained/{PRETRAINED[name]}:{setting}" for name in cfg.pretrained
+                 for setting in cfg.pretrained_methods()] + [f"{m['variant']}/{m['run']}" for m in models]
+        units = StageUnits(ctx, run, "compress")
+        results = units.map(compress_job, jobs, names)
+        for job, name in zip(jobs, names):  # what a failed unit half-wrote is not published
+            if units.failed(name):
+                shutil.rmtree(job["job"]["out_dir"], ignore_errors=True)
+        units.close()
+        # the ladder's rows first, as before; a failed unit keeps one row per setting, marked
+        rows = [r for res in results[n_pre:] + results[:n_pre] if res is not None for r in mark_ok(res)]
+        rows += [r for m in models for r in units.failed_rows(
+            f"{m['variant']}/{m['run']}",
+            [{"variant": m["variant"], "run": m["run"], "n_params": m["n_params"], "tokens": m["tokens"],
+              "model": m["run"], "setting": setting, "method": method} for setting, (method, _) in cfg.methods().items()])]
+        rows += [r for name in cfg.pretrained for setting, (method, _) in cfg.pretrained_methods().items()
+                 for r in units.failed_rows(f"pretrained/{PRETRAINED[name]}:{setting}",
+                                            [{"variant": "pretrained", "model": PRETRAINED[name], "setting": setting,
+                                              "method": method}])]
         write_table(ctx, "compress", rows, run)
         publish_table(run, "compress", ctx.preset, compress_table(rows), "Compression: loss at measured bits per weight",
                       "`delta_val_loss` is the compressed model's validation loss minus the uncompressed one's.")
         run.log_metrics({"models": len(models) + len(cfg.pretrained), "evaluations": len(rows)})
-        print(f"compress: {len(rows)} (model, setting) evaluations -> {ctx.layout.reports / 'compress.csv'}")
+        print(f"compress: {len(rows)} (model, setting) evaluations -> {ctx.layout.reports / 'compress.csv'}"
+              + (f"; {len(units.failures)} unit(s) FAILED -> {failures_path(ctx.layout.reports, 'compress')}"
+                 if units.failures else ""))
         return rows

@@ -25,8 +25,8 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.artifacts import downstream_table, publish_table
 from flows.evaluate_models import model_datasets, tokens_path, trained_models
-from flows.runtime import Context, map_tasks
-from flows.stage import stage_context, stage_run, write_table
+from flows.runtime import Context
+from flows.stage import FAILED, STATUS, StageUnits, failures_path, mark_ok, stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.io import atomic_dir, write_json, write_parquet
 from tasks.common.lineage import find_models, link_metrics, log_datasets
@@ -220,6 +220,8 @@ def compressed_artifacts(ctx: Context, variant: str, run: str | None, model: str
     if not table.exists():
         return []
     frame = pl.read_csv(table, infer_schema_length=None)
+    if STATUS in frame.columns:  # a unit that failed published no file, whatever it half-wrote
+        frame = frame.filter(pl.col(STATUS) != FAILED)
     key = (pl.col("run") == run) if run is not None else (pl.col("model") == model)
     out = []
     for r in frame.filter((pl.col("variant") == variant) & key).to_dicts():
@@ -339,10 +341,22 @@ def evaluate_flow(
             from tasks.training.model import resolve_llama_classes
 
             resolve_llama_classes()  # before SmolLM2's job imports inside transformers beside the ladder's
-        results = map_tasks(ctx.pipeline, evaluate_job, jobs)
-        summary = [r for s, _ in results for r in s]
+        units = StageUnits(ctx, run, "evaluate")
+        names = ["pretrained/smollm2" if j["kind"] == "smollm2" else
+                 f"{j['job']['model_row']['variant']}/{j['job']['model_row']['run']}" for j in jobs]
+        results = [r for r in units.map(evaluate_job, jobs, names) if r is not None]
+        units.close()
+        summary = [r for s, _ in results for r in mark_ok(s)]
         items = pl.DataFrame([r for _, i in results for r in i], infer_schema_length=None)
-        frame = write_table(ctx, "downstream", summary, run)
+        # a failed unit keeps one row per task under its base model's name, marked
+        failed = [r for m in models for r in units.failed_rows(f"{m['variant']}/{m['run']}", [
+            {"model": f"{m['variant']}/{m['run']}", "family": "ladder", "variant": m["variant"], "run": m["run"],
+             "method": "none", "setting": "none", "n_params": m["n_params"], "tokens": m["tokens"], "task": t}
+            for t in cfg.tasks])]
+        failed += [r for r in units.failed_rows("pretrained/smollm2", [
+            {"model": "smollm2", "family": "smollm2", "variant": "smollm2", "method": "none", "setting": "none", "task": t}
+            for t in cfg.tasks])]
+        frame = write_table(ctx, "downstream", summary + failed, run)
         publish_table(run, "evaluate", ctx.preset, downstream_table(summary),
                       "Downstream accuracy per model and task, with Wilson intervals",
                       "Paired comparisons: reports/downstream_comparisons.csv; task laws: reports/task_laws.json.")
@@ -369,7 +383,9 @@ def evaluate_flow(
         run.log_metrics({"models": n_models, "evaluations": len(summary), "items_scored": items.height,
                          "wall_s": wall, "not_distinguishable": verdicts.count("not distinguishable")})
         print(f"evaluate: {n_models} models x {len(cfg.tasks)} tasks, {items.height} items in {wall:.1f} s -> "
-              f"{ctx.layout.reports / 'downstream.csv'}")
+              f"{ctx.layout.reports / 'downstream.csv'}"
+              + (f"; {len(units.failures)} unit(s) FAILED -> {failures_path(ctx.layout.reports, 'evaluate')}"
+                 if units.failures else ""))
         return frame.to_dicts()
 
 

@@ -8,6 +8,7 @@ import polars as pl
 
 from flows.feasibility import SECTION_STAGE, left_out
 from flows.runtime import Context
+from flows.stage import FAILED, STATUS
 
 
 def trained_models(ctx: Context, names: tuple[str, ...] = (), variants: tuple[str, ...] = (),
@@ -16,7 +17,7 @@ def trained_models(ctx: Context, names: tuple[str, ...] = (), variants: tuple[st
     run name and by series (``variants``: the stage's ``<key>``, e.g. ``compression.variants``; empty
     = every trained series).
 
-    Rows with ``point == "anneal"`` (extra cooldown branches, ``training.extra_branches``) are
+    Rows of runs that failed (``status`` failed: no model) are skipped. Rows with ``point == "anneal"`` (extra cooldown branches, ``training.extra_branches``) are
     skipped: they add points to the scaling laws, not models to compress, prune, sparsify or
     evaluate, so those stages' cost stays the ladder's. Series that the train stage's feasibility
     check left out of this stage (reports/feasibility.csv; the stage is ``key``'s section) are
@@ -24,8 +25,8 @@ def trained_models(ctx: Context, names: tuple[str, ...] = (), variants: tuple[st
     table = ctx.layout.reports / "train.csv"
     if not table.exists():
         raise FileNotFoundError(f"{table}: no trained models; run `scalelab run train` first")
-    rows = [r for r in pl.read_csv(table).to_dicts()
-            if not r.get("diverged") and r.get("point") != "anneal"]  # a diverged run has no model
+    rows = [r for r in pl.read_csv(table).to_dicts()  # a diverged or failed run has no model
+            if not r.get("diverged") and r.get("point") != "anneal" and r.get(STATUS) != FAILED]
     # Series the train stage's feasibility check left out of this stage are absent, with the reason said
     section = key.split(".")[0]
     stage = SECTION_STAGE.get(section, section)

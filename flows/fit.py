@@ -15,7 +15,7 @@ from prefect import flow
 from flows.artifacts import law_table, publish_table
 from flows.feasibility import left_out
 from flows.report import PRETRAINED
-from flows.stage import stage_context, stage_run, write_table
+from flows.stage import finished, stage_context, stage_run, write_table
 from tasks.common.io import write_csv
 from tasks.common.lineage import data_ref, log_datasets
 from tasks.scaling.compute_optimal import fit_flops_per_token
@@ -77,14 +77,14 @@ def gather_points(reports: Path, cfg: FitConfig = FitConfig()) -> GatheredPoints
     train = reports / "train.csv"
     if not train.exists():
         raise FileNotFoundError(f"{train}: no training results to fit; run `scalelab run train` first")
-    runs, n_column = _train_runs(pl.read_csv(train), cfg.n_definition)
+    runs, n_column = _train_runs(finished(pl.read_csv(train)), cfg.n_definition)
     frames = [runs.with_columns(pl.lit("trained").alias("series"))]
     for name in ("compress", "sparse_eval"):
         path = reports / f"{name}.csv"
         if not (path.exists() and path.stat().st_size > 0):
             continue
         # a pretrained model's rows (SmolLM2, variant "pretrained") are no point of a ladder's law
-        c = pl.read_csv(path).filter(pl.col("variant").cast(pl.String) != PRETRAINED)
+        c = finished(pl.read_csv(path)).filter(pl.col("variant").cast(pl.String) != PRETRAINED)
         if not c.height:
             continue
         own = c.select(pl.col("variant").cast(pl.String), pl.col("setting").cast(pl.String),

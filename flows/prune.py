@@ -18,6 +18,7 @@ the folder), their ppl, params and FLOPs per token linked in the Models tab.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,10 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from tokenizers import Tokenizer
 
+from flows.artifacts import publish_table, pruning_table
 from flows.compress import PRETRAINED, calib_eval_overlap, check_overlap, prepared_text
 from flows.evaluate_models import model_datasets, tokens_path, trained_models, val_tokens_path
-from flows.runtime import map_tasks
-from flows.stage import stage_context, stage_run, write_table
+from flows.stage import StageUnits, failures_path, mark_ok, stage_context, stage_run, write_table
 from tasks.common.io import atomic_dir
 from tasks.common.lineage import log_datasets, log_model_ref
 from tasks.common.parallel import set_process_threads
@@ -177,14 +178,29 @@ def prune_flow(
                      save_dir=str(out / m["variant"] / m["run"]) if f"{m['variant']}/{m['run']}" in kept else None,
                      final_dir=str(ctx.layout.pruned / m["variant"] / m["run"]))
                 for m in models]
-        tables = map_tasks(ctx.pipeline, prune_model, jobs)
+        units = StageUnits(ctx, run, "prune")
+        names = [f"{m['variant']}/{m['run']}" for m in models]
+        tables = units.map(prune_model, jobs, names)
         for name in cfg.pretrained:  # one at a time: its own threads use the cores
             pretrained_dir = Path("pretrained") / PRETRAINED[name]
-            tables.append(prune_pretrained(name, cfg, str(ctx.layout.prepared), run.ref(),
-                                           save_dir=str(out / pretrained_dir) if cfg.save.pretrained else None,
-                                           final_dir=str(ctx.layout.pruned / pretrained_dir), workdir=str(ctx.workdir)))
-        rows = [r for t in tables for r in t.rows]
-        curves = [c for t in tables for c in t.curves]
+            names.append(f"pretrained/{PRETRAINED[name]}")
+            jobs.append(dict(save_dir=str(out / pretrained_dir) if cfg.save.pretrained else None))
+            tables.append(units.call(names[-1], prune_pretrained, name, cfg, str(ctx.layout.prepared), run.ref(),
+                                     save_dir=jobs[-1]["save_dir"], final_dir=str(ctx.layout.pruned / pretrained_dir),
+                                     workdir=str(ctx.workdir)))
+        for job, name in zip(jobs, names):  # what a failed unit half-wrote is not published
+            if units.failed(name) and job["save_dir"]:
+                shutil.rmtree(job["save_dir"], ignore_errors=True)
+        units.close()
+        rows = [r for t in tables if t is not None for r in mark_ok(t.rows)]
+        rows += [r for m in models for r in units.failed_rows(
+            f"{m['variant']}/{m['run']}", [{"model": m["run"], "variant": m["variant"], "run": m["run"], "setting": setting,
+                                           "method": method} for setting, (method, _) in cfg.methods().items()])]
+        rows += [r for name in cfg.pretrained for r in units.failed_rows(
+            f"pretrained/{PRETRAINED[name]}", [{"model": PRETRAINED[name], "variant": "pretrained", "setting": setting,
+                                                "method": method}
+                                               for setting, (method, _) in cfg.methods(pretrained=True).items()])]
+        curves = [c for t in tables if t is not None for c in t.curves]
         write_table(ctx, "pruning", rows, run)
         write_table(ctx, "pruning_recovery", curves, run)
         with atomic_dir(ctx.layout.reports / "pruning") as plots:  # replaced whole: no stale figure
@@ -194,8 +210,13 @@ def prune_flow(
         n_saved = sum(r.get("model_path") is not None for r in rows)
         run.log_metrics({"models": len(models) + len(cfg.pretrained), "rows": len(rows), "curve_points": len(curves),
                          "models_saved": n_saved})
+        publish_table(run, "prune", ctx.preset, pruning_table(rows),
+                      "Pruning: perplexity after pruning and after each recovery",
+                      "Recovery curves: reports/pruning_recovery.csv and reports/pruning/recovery.png.")
         print(f"prune: {len(rows)} rows -> {ctx.layout.reports / 'pruning.csv'}, {len(curves)} curve points -> "
-              f"{ctx.layout.reports / 'pruning_recovery.csv'}, {n_saved} models kept in {ctx.layout.pruned}")
+              f"{ctx.layout.reports / 'pruning_recovery.csv'}, {n_saved} models kept in {ctx.layout.pruned}"
+              + (f"; {len(units.failures)} unit(s) FAILED -> {failures_path(ctx.layout.reports, 'prune')}"
+                 if units.failures else ""))
         return rows
 
 

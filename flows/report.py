@@ -23,6 +23,7 @@ from typing import Any
 
 import polars as pl
 
+from flows.stage import finished, read_failures
 from tasks.scaling.report import _file_safe  # the fit stage's plot names: loss_vs_compute_<series>.png
 
 # What each stage writes that the summary reads, and the command that writes it.
@@ -66,6 +67,7 @@ class Reports:
     tables: dict[str, pl.DataFrame] = field(default_factory=dict)
     json: dict[str, Any] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # one line per unit a stage could not finish
 
     def table(self, name: str) -> pl.DataFrame | None:
         return self.tables.get(name)
@@ -101,7 +103,10 @@ def load_reports(folder: str | Path) -> Reports:
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ValueError(f"{path}: not readable JSON ({exc})") from None
             continue
-        out.tables[name] = _read_csv(path, REQUIRED_COLUMNS.get(name, ()))
+        out.tables[name] = finished(_read_csv(path, REQUIRED_COLUMNS.get(name, ())))  # failed units: below
+    out.failures = [f"{r['stage']}: {r['unit']} failed: {r['error_type']}: {r['error']}"
+                    + (f" (MLflow run {r['mlflow_run_id']})" if r["mlflow_run_id"] else "")
+                    for r in read_failures(folder).iter_rows(named=True)]
     if "fits.json" in out.json:
         _check_fits(out.json["fits.json"], folder / "fits.json")
     return out
@@ -154,6 +159,7 @@ class Summary:
     sections: list[Section]
     missing: list[str]
     decisions: list[str] = field(default_factory=list)  # one line per compared series: read first
+    failures: list[str] = field(default_factory=list)  # units that failed: read before anything else
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -653,13 +659,17 @@ def build_summary(reports: Reports) -> Summary:
             sections.append(sec)
             headline += lines
     return Summary(folder=reports.folder, headline=headline, sections=sections, missing=reports.missing_lines(),
-                   decisions=decision_lines(reports))
+                   decisions=decision_lines(reports), failures=reports.failures)
 
 
 def summary_markdown(summary: Summary, *, images: bool = True) -> str:
     """The summary as Markdown; ``images`` embeds the plots (paths relative to ``reports/``), else
     names them (for places that cannot reach the files, such as a Prefect artifact)."""
     out = ["# What this run found", ""]
+    if summary.failures:  # first: every other number below comes from the units that finished
+        out += ["## Failures", "", *(f"- {line}" for line in summary.failures),
+                "", "Tracebacks: `reports/failures/<stage>.log`; the rows of these units are marked `failed` in the "
+                "stage tables.", ""]
     if summary.decisions:
         out += ["## Decisions", "", *(f"- {line}" for line in summary.decisions), ""]
     if summary.missing:
@@ -691,6 +701,11 @@ def print_summary(summary: Summary, console: Any | None = None) -> None:
 
     console = console or Console()
     console.rule("[bold]What this run found")
+    if summary.failures:
+        console.print("[bold red]Failures")
+        for line in summary.failures:
+            console.print(f"[red]✗[/red] {line}", highlight=False)
+        console.print()
     if summary.decisions:
         console.print("[bold]Decisions")
         for line in summary.decisions:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from tasks.common.config import require, to_dict
 from tasks.common.params import default_preset, load_stage_config
-from tasks.common.tracking import RunRef, tracking_uri
+from tasks.common.tracking import OWNER_HOST, OWNER_PID, OWNER_START, RunRef, owner_gone, owner_tags, tracking_uri
 
 log = logging.getLogger("scalelab")
 
@@ -181,6 +181,7 @@ def claim_workdir(ctx: Context) -> Iterator[WorkdirClaim]:
     from tasks.common.tracking import close_orphaned_runs
 
     with workdir_lock(ctx.workdir) as lock:
+        tag_flow_run(ctx.workdir)
         if not lock.fresh:
             yield _CLAIMS[ctx.workdir]
             return
@@ -196,6 +197,7 @@ def claim_workdir(ctx: Context) -> Iterator[WorkdirClaim]:
                     log.warning("restored %s from the copy a killed run left mid-swap", p)
                 if cleaned["removed"]:
                     log.warning("removed %d temporaries a killed run left under %s", len(cleaned["removed"]), folder)
+            crash_orphaned_flow_runs(ctx.workdir)
             claim._replaced = close_orphaned_runs(ctx.tracking_uri, ctx.experiment, workdir=ctx.workdir,
                                                   timeout_s=ctx.pipeline.orphan_timeout_s)
             if claim._replaced:
@@ -204,6 +206,87 @@ def claim_workdir(ctx: Context) -> Iterator[WorkdirClaim]:
             yield claim
         finally:
             del _CLAIMS[ctx.workdir]
+
+
+WORKDIR_FLOW_TAG, OWNER_FLOW_TAG = "scalelab.workdir:", "scalelab.owner:"
+
+
+def workdir_flow_tag(workdir: Path) -> str:
+    """The Prefect tag of the flow runs that write ``workdir`` (a hash: tags are short and a path is not)."""
+    return WORKDIR_FLOW_TAG + hashlib.sha256(str(workdir).encode()).hexdigest()[:12]
+
+
+def tag_flow_run(workdir: Path) -> None:
+    """Tag the current Prefect flow run (if any) with ``workdir``'s tag and this process as its owner
+    (``scalelab.owner:<host>:<pid>:<start>``), so the next claim of the workdir can tell an orphan:
+    a flow run still RUNNING whose owner process is gone (:func:`crash_orphaned_flow_runs`)."""
+    # Prefect loads with the first flow, as in task_runner
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    run_ctx = FlowRunContext.get()
+    if run_ctx is None or run_ctx.flow_run is None:
+        return
+    owner = owner_tags()
+    wanted = {workdir_flow_tag(workdir), f"{OWNER_FLOW_TAG}{owner[OWNER_HOST]}:{owner[OWNER_PID]}:{owner[OWNER_START]}"}
+    tags = set(run_ctx.flow_run.tags or ())
+    if wanted <= tags:
+        return
+    try:
+        with get_client(sync_client=True) as client:  # the run's own client may be async
+            client.update_flow_run(run_ctx.flow_run.id, tags=sorted(tags | wanted))
+        run_ctx.flow_run.tags = sorted(tags | wanted)
+    except Exception as exc:  # noqa: BLE001 — the run's work matters more than its tag
+        log.warning("could not tag Prefect flow run %s with its workdir (%s: %s); if this process is killed, "
+                    "the run stays RUNNING in the Prefect UI", run_ctx.flow_run.id, type(exc).__name__, exc)
+
+
+def _flow_run_owner(tags: list[str]) -> dict[str, str] | None:
+    for t in tags:
+        if t.startswith(OWNER_FLOW_TAG):
+            parts = t.removeprefix(OWNER_FLOW_TAG).rsplit(":", 2)  # host:pid:start (a host name has no ':')
+            if len(parts) == 3:
+                return {OWNER_HOST: parts[0], OWNER_PID: parts[1], OWNER_START: parts[2]}
+    return None
+
+
+def crash_orphaned_flow_runs(workdir: Path) -> list[str]:
+    """Mark CRASHED the Prefect flow runs of ``workdir`` (:func:`workdir_flow_tag`) left RUNNING by a
+    process that is gone (killed, OOM, power cut); returns their ids.
+
+    Only runs this host's scalelab tagged are judged (the owner's pid and start time, as for MLflow's
+    orphans in :func:`tasks.common.tracking.close_orphaned_runs`); a Prefect API that cannot be
+    reached is logged as a warning: the cleanup never stops a run.
+    """
+    from prefect.client.orchestration import get_client  # Prefect loads with the first flow, as in task_runner
+    from prefect.client.schemas.filters import (
+        FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, FlowRunFilterTags,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    crashed: list[str] = []
+    try:
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[workdir_flow_tag(workdir)]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))))
+            for fr in runs:
+                owner = _flow_run_owner(list(fr.tags or ()))
+                reason = owner_gone(owner, timeout_s=float("inf")) if owner else None
+                if reason is None:
+                    continue
+                client.set_flow_run_state(fr.id, Crashed(message=f"scalelab: {reason}; marked CRASHED by the next "
+                                                                 f"command on {workdir}"), force=True)
+                crashed.append(str(fr.id))
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not check Prefect for flow runs a killed process left RUNNING (%s: %s)",
+                    type(exc).__name__, exc)
+        return crashed
+    if crashed:
+        log.warning("marked %d Prefect flow run(s) a killed process left RUNNING as CRASHED: %s",
+                    len(crashed), ", ".join(crashed))
+    return crashed
 
 
 def make_context(
@@ -271,7 +354,25 @@ def map_tasks(pipeline: PipelineConfig, task: Any, jobs: list[dict[str, Any]], *
     Locally a thread pool; under ``runner: ray`` one Ray task per job, asking for
     ``gpus_per_train_task`` GPUs when ``gpu``. Call inside a flow so task runs are recorded.
     """
+    outcomes = map_outcomes(pipeline, task, jobs, gpu=gpu)
+    for _, error in outcomes:
+        if error is not None:
+            raise error
+    return [result for result, _ in outcomes]
+
+
+def map_outcomes(pipeline: PipelineConfig, task: Any, jobs: list[dict[str, Any]], *, gpu: bool = True
+                 ) -> list[tuple[Any, Exception | None]]:
+    """:func:`map_tasks` that waits for every job: ``(result, None)`` per job that finished,
+    ``(None, exception)`` per job that raised (each job runs to its end, whatever the others do).
+    A ``BaseException`` that is no ``Exception`` (an interrupt) still propagates at once."""
     runner = task_runner(pipeline)
+    out: list[tuple[Any, Exception | None]] = []
     with runner, (gpu_options(pipeline) if gpu else contextlib.nullcontext()):
         futures = [runner.submit(task, parameters=job) for job in jobs]
-        return [f.result() for f in futures]
+        for f in futures:
+            try:
+                out.append((f.result(), None))
+            except Exception as exc:  # noqa: BLE001 — the caller decides what a unit's failure means
+                out.append((None, exc))
+    return out

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.stage import stage_context, stage_run, write_table
+from flows.artifacts import publish_table, selection_table
+from flows.stage import StageUnits, failures_path, mark_ok, stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.io import write_json
 from tasks.common.tracking import tracked_run
@@ -63,10 +64,18 @@ def select_flow(
     ctx = stage_context(root, preset, workdir, runner, parent_run_id)
     cfg = ctx.config(SelectConfig, "select")
     with stage_run(ctx, "select", cfg) as run:
-        results = {setting: run_setting(cfg, setting) for setting in cfg.settings}
+        units = StageUnits(ctx, run, "select")
+        results = {setting: units.call(setting, run_setting, cfg, setting) for setting in cfg.settings}
+        units.close()
+        results = {setting: res for setting, res in results.items() if res is not None}
         rows = [r for res in results.values() for r in res.rows]
         metrics = {k: v for setting, res in results.items() for k, v in setting_metrics(setting, res.metrics).items()}
-        write_table(ctx, "ddcf", rows, run)
+        # a failed setting keeps one row, marked
+        table = mark_ok(rows) + [r for s in cfg.settings for r in units.failed_rows(s, [{"setting": s}])]
+        write_table(ctx, "ddcf", table, run)
+        publish_table(run, "select", ctx.preset, selection_table(table),
+                      "Fine-tuning data selection (DDCF): test accuracy per target, method and budget",
+                      "Pool models and their seed accuracy: reports/ddcf.json.")
         summary = ctx.layout.reports / "ddcf.json"
         write_json(summary, {"config": to_dict(cfg), "metrics": metrics,
                              "settings": {s: {"pool_models": res.pool_models,
@@ -85,5 +94,7 @@ def select_flow(
                              params=params, tags={"scalelab.stage": "select", "scalelab.preset": ctx.preset}) as child:
                 child.log_metrics({"accuracy": row["accuracy"], "labels_used": row["labels_used"],
                                    "selected_pool_accuracy": row["selected_pool_accuracy"]})
-        print(f"select: {len(rows)} rows -> {ctx.layout.reports / 'ddcf.csv'}")
+        print(f"select: {len(rows)} rows -> {ctx.layout.reports / 'ddcf.csv'}"
+              + (f"; {len(units.failures)} setting(s) FAILED -> {failures_path(ctx.layout.reports, 'select')}"
+                 if units.failures else ""))
         return {"rows": rows, "metrics": metrics}

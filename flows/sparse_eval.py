@@ -22,8 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.artifacts import publish_table, sparse_table
 from flows.compress import PRETRAINED, prepared_text
 from flows.evaluate_models import model_datasets, tokens_path, trained_models, val_tokens_path
-from flows.runtime import map_tasks
-from flows.stage import stage_context, stage_run, write_table
+from flows.stage import StageUnits, failures_path, mark_ok, stage_context, stage_run, write_table
 from tasks.common.config import to_dict
 from tasks.common.lineage import log_datasets
 from tasks.common.parallel import set_process_threads
@@ -123,13 +122,28 @@ def sparse_eval_flow(
                  cfg=cfg, parent=run.ref())
             for m in models
         ]
-        rows = [r for rs in map_tasks(ctx.pipeline, sparse_eval_model, jobs) for r in rs]
+        units = StageUnits(ctx, run, "sparse_eval")
+        results = units.map(sparse_eval_model, jobs, [f"{m['variant']}/{m['run']}" for m in models])
         # One at a time: a pretrained model is ~100x a ladder model, and its own threads use the cores.
         for name in cfg.pretrained:
-            rows += sparse_eval_pretrained.fn(name, cfg, str(ctx.layout.prepared), run.ref())
+            results.append(units.call(f"pretrained/{PRETRAINED[name]}", sparse_eval_pretrained.fn, name, cfg,
+                                      str(ctx.layout.prepared), run.ref()))
+        units.close()
+        rows = [r for rs in results if rs is not None for r in mark_ok(rs)]
+        # a failed unit keeps one row per (setting, sparsity), marked
+        rows += [r for m in models for r in units.failed_rows(f"{m['variant']}/{m['run']}", [
+            {"model": m["run"], **{k: m[k] for k in ("variant", "run", "n_params", "tokens")},
+             "setting": f"{setting}@{sparsity:g}", "method": method, "sparsity": sparsity}
+            for setting, (method, mcfg) in cfg.methods().items() for sparsity in mcfg.sparsities])]
+        rows += [r for name in cfg.pretrained for r in units.failed_rows(f"pretrained/{PRETRAINED[name]}", [
+            {"model": PRETRAINED[name], "variant": "pretrained", "setting": f"{setting}@{sparsity:g}", "method": method,
+             "sparsity": sparsity} for setting, (method, mcfg) in cfg.pretrained_methods().items()
+            for sparsity in mcfg.sparsities])]
         write_table(ctx, "sparse_eval", rows, run)
         publish_table(run, "sparse_eval", ctx.preset, sparse_table(rows), "Sparse inference: loss at each sparsity",
                       "`delta_val_loss` is the sparse model's validation loss minus the dense one's.")
         run.log_metrics({"models": len(models) + len(cfg.pretrained), "evaluations": len(rows)})
-        print(f"sparse_eval: {len(rows)} points -> {ctx.layout.reports / 'sparse_eval.csv'}")
+        print(f"sparse_eval: {len(rows)} points -> {ctx.layout.reports / 'sparse_eval.csv'}"
+              + (f"; {len(units.failures)} unit(s) FAILED -> {failures_path(ctx.layout.reports, 'sparse_eval')}"
+                 if units.failures else ""))
         return rows

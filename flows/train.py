@@ -41,7 +41,7 @@ from flows.feasibility import checked_ladder
 from flows.progress import progress_bars
 from flows.artifacts import publish_table, train_table
 from flows.runtime import Context, config_hash, map_tasks
-from flows.stage import stage_context, stage_run, write_table
+from flows.stage import FAILED, OK, STATUS, StageUnits, mark_ok, stage_context, stage_run, write_table
 from tasks.common.io import atomic_path, read_json, write_json, write_text
 from tasks.common.config import to_dict
 from tasks.common.lineage import DataRef, budget_label, data_ref, log_datasets, log_model_ref, register_alias
@@ -253,7 +253,7 @@ def val_docs_table(rows: list[dict], out_dirs: list[Path], doc_sources: list[str
     sources = pl.Series("source", doc_sources, dtype=pl.String)
     parts = []
     for r, d in zip(rows, out_dirs):
-        if r["diverged"]:
+        if r["diverged"] or r.get(STATUS) == FAILED:  # no model, no document losses
             continue
         docs = read_doc_losses(d)
         if len(docs) and int(docs["doc"].max()) >= len(sources):
@@ -303,8 +303,12 @@ def size_jobs(cfg: TrainingConfig, specs: list[RunSpec]) -> list[list[RunSpec]]:
     return sorted(by_size.values(), key=lambda group: -max(s.flops_per_token * s.tokens for s in group))
 
 
-def run_ladder(ctx: Context, cfg: TrainingConfig, jobs: list[dict], parent: RunRef) -> list[dict]:
-    """Fan the ladder's units out through the context's task runner (progress bars when local)."""
+def run_ladder(ctx: Context, cfg: TrainingConfig, jobs: list[dict], parent: RunRef,
+               units: StageUnits | None = None) -> list[dict]:
+    """Fan the ladder's units out through the context's task runner (progress bars when local).
+
+    With ``units``, a unit that fails leaves the others running and keeps one row per point,
+    marked failed (:func:`failed_train_rows`); the rows come in the jobs' order either way."""
     local = ctx.pipeline.runner == "local"
     with progress_bars(enabled=local) as bars:
         def progress_for(label):
@@ -312,7 +316,31 @@ def run_ladder(ctx: Context, cfg: TrainingConfig, jobs: list[dict], parent: RunR
 
         jobs = [dict({"cfg": cfg} | job, parent=parent, preset=ctx.preset, progress=progress_for(job["variant"]))
                 for job in jobs]
-        return [row for rows in map_tasks(ctx.pipeline, train_size, jobs) for row in rows]
+        if units is None:
+            return [row for rows in map_tasks(ctx.pipeline, train_size, jobs) for row in rows]
+        names = [train_unit_name(job) for job in jobs]
+        results = units.map(train_size, jobs, names)
+        return [row for job, name, rows in zip(jobs, names, results)
+                for row in (mark_ok(rows) if rows is not None else failed_train_rows(job, units.failed_rows(name, [{}])[0]))]
+
+
+def train_unit_name(job: dict) -> str:
+    """``<series>/<point>`` (cosine: one point a unit) or ``<series>/<size>`` (WSD: a size's budgets), then
+    ``:seed<n>`` for an extra seed's unit."""
+    specs = job["specs"]
+    point = specs[0].name if len(specs) == 1 else specs[0].size
+    return f"{job['variant']}/{point}" + (f":seed{job['cfg'].seed}" if job.get("extra_seed") else "")
+
+
+def failed_train_rows(job: dict, marks: dict) -> list[dict]:
+    """One row per point of a failed unit: the columns naming it (series, run, seed, N, D, budget), no
+    metrics, no model; ``marks``: its ``status`` and ``error``."""
+    cfg = job["cfg"]
+    return [{"variant": job["variant"], "run": spec.name, "stage": "train", "data_variant": job.get("data_variant"),
+             "seed": cfg.seed, "n_params": spec.n_params, "n_params_nonembed": spec.n_params,
+             "n_params_total": spec.n_params_total, "tokens": spec.tokens, "arch": cfg.arch, "schedule": cfg.schedule,
+             "compute_budget": spec.compute_budget, "point": spec.point, "diverged": None, "history": [],
+             "by_source": {}, "model_id": None} | marks for spec in job["specs"]]
 
 
 def remove_stale_models(trained: Path, labels: set[str], preset: str, keep: set[Path]) -> list[Path]:
@@ -396,13 +424,15 @@ def train_flow(
                                          val_groups_path=str(val_groups), val_docs_path=str(val_docs),
                                          out_dirs=[str(d) for d in out_dirs], extra_seed=extra,
                                          stable_dir=str(stable) if stable else None, data=data))
-        all_rows = run_ladder(ctx, cfg, jobs, run.ref())
+        units = StageUnits(ctx, run, "train")
+        all_rows = run_ladder(ctx, cfg, jobs, run.ref(), units)
+        units.close()
         for d in remove_stale_models(layout.trained, labels, ctx.preset, keep_dirs):
             print(f"train: removed {d} (this preset's output of an older ladder)")
         # Model folders relative to the workdir, so the table stays valid in a moved copy (dvc exp --temp).
         all_dirs = [Path(d) for job in jobs for d in job["out_dirs"]]
         for r, d in zip(all_rows, all_dirs):
-            r["model_dir"] = str(d.relative_to(ctx.workdir))
+            r["model_dir"] = str(d.relative_to(ctx.workdir)) if r[STATUS] == OK else None
         # Extra-seed runs go to train_seeds.csv only: every stage downstream reads train.csv as one
         # run per ladder point, and the registry's best-per-budget models stay base-seed models.
         rows = [r for r in all_rows if r["seed"] == cfg.seed]
@@ -431,11 +461,12 @@ def train_flow(
             val_docs_table(all_rows, all_dirs, doc_sources).write_parquet(tmp)
         run.log_artifact(layout.reports / "val_docs.parquet", "reports")
         diverged = [r["run"] for r in rows if r["diverged"]]
-        multi_epoch = [r["run"] for r in rows if r["epochs"] > 1]
+        multi_epoch = [r["run"] for r in rows if (r.get("epochs") or 0) > 1]
         run.log_metrics({"runs": len(rows), "seed_runs": len(seed_rows), "diverged_runs": len(diverged),
                          "multi_epoch_runs": len(multi_epoch)})
         print(f"train: {len(rows)} runs over {len(feas.trained)} variants -> {layout.reports / 'train.csv'}"
               + (f"; {len(seed_rows)} extra-seed runs -> {layout.reports / 'train_seeds.csv'}" if seed_rows else "")
               + (f"; {len(diverged)} diverged" if diverged else "")
-              + (f"; WARNING {len(multi_epoch)} runs above 1 epoch" if multi_epoch else ""))
+              + (f"; WARNING {len(multi_epoch)} runs above 1 epoch" if multi_epoch else "")
+              + (f"; {len(units.failures)} unit(s) FAILED -> reports/failures/train.csv" if units.failures else ""))
         return table.to_dicts()

@@ -371,6 +371,40 @@ def tracked_run(
         client.set_terminated(handle.run_id, status="FINISHED")
 
 
+def failed_run(
+    name: str,
+    error: BaseException,
+    *,
+    uri: str,
+    experiment: str = DEFAULT_EXPERIMENT,
+    parent: RunRef | TrackedRun | None = None,
+    params: Mapping[str, Any] | None = None,
+    tags: Mapping[str, Any] | None = None,
+    traceback_text: str | None = None,
+) -> str:
+    """Record ``error`` as a FAILED run of its own (a unit of work that failed before or outside any
+    run it would have opened): tagged ``error`` (type and message) and ``error.traceback``, like a
+    run :func:`tracked_run` ends as FAILED. Returns its id."""
+    client = mlflow_client(uri)
+    exp_id = experiment_id(client, experiment, uri)
+    workdir = parent.workdir if parent is not None else None
+    all_tags = {"mlflow.runName": name, **owner_tags(), **source_tags(),
+                "error": _param_value(f"{type(error).__name__}: {error}"),
+                "error.traceback": _param_value(traceback_text or "".join(traceback.format_exception(error)))}
+    if parent is not None:
+        all_tags["mlflow.parentRunId"] = parent.run_id
+    if workdir is not None:
+        all_tags[WORKDIR_TAG] = workdir
+    all_tags.update({k: _param_value(v) for k, v in (tags or {}).items()})
+    run = client.create_run(exp_id, run_name=name, tags=all_tags)
+    try:
+        if params:
+            TrackedRun(uri=uri, experiment=experiment, run_id=run.info.run_id).log_params(params)
+    finally:
+        client.set_terminated(run.info.run_id, status="FAILED")
+    return run.info.run_id
+
+
 def _system_monitor(uri: str, run_id: str):
     """MLflow's system-metrics sampler on ``run_id`` (a daemon thread), or None without psutil."""
     import importlib.util

@@ -298,7 +298,7 @@ def test_prefect_artifacts_link_each_stage_to_its_mlflow_run(ci_run):
             found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
             return found[-1] if found else None
 
-    for stage in ("prepare", "curation", "train", "compress", "sparse-eval", "evaluate", "fit"):
+    for stage in ("prepare", "curation", "train", "compress", "prune", "sparse-eval", "evaluate", "fit", "select"):
         art = asyncio.run(latest(f"{stage}-ci"))
         assert art is not None, stage
         assert "/#/experiments/" in (art.description or art.data), stage
@@ -322,6 +322,13 @@ def test_summary_headline_metrics_and_file_modes(ci_run):
     assert result["summary"] == str(reports / "summary.md")
     train = pl.read_csv(reports / "train.csv")
     assert "Incomplete workdir" not in summary and "## Scaling laws" in summary
+    # nothing failed: every stage's failure list is there and empty, every unit's rows are ok
+    assert "## Failures" not in summary
+    lists = sorted(p.stem for p in (reports / "failures").glob("*.csv"))
+    assert lists == sorted(["train", "compress", "prune", "sparse_eval", "evaluate", "select"])
+    assert all(pl.read_csv(reports / "failures" / f"{s}.csv").height == 0 for s in lists)
+    for table in ("train.csv", "compress.csv", "pruning.csv", "sparse_eval.csv", "downstream.csv", "ddcf.csv"):
+        assert set(pl.read_csv(reports / table, infer_schema_length=None)["status"]) == {"ok"}, table
     assert all(f"| {v} |" in summary for v in set(train["variant"]))
     for stage in HEADLINE_STAGES:
         rows = {p.stem for p in (reports / "metrics" / stage).glob("*.json")}

@@ -124,3 +124,43 @@ def test_two_settings_with_the_same_target_keep_distinct_metrics(prefect_harness
                                         "accuracy.olmo_eval.t.base.k0": 0.4, "accuracy.olmo_eval.t.random.k3": 0.45})
     children = sorted(r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == stage.info.run_id)
     assert children == sorted(child_run_name(r) for r in out["rows"]) and len(set(children)) == 6
+
+
+def test_a_failing_setting_leaves_the_other_complete_and_is_published(prefect_harness, tmp_path: Path, monkeypatch):
+    """olmo_eval raises, arithmetic (stubbed) finishes: its rows are ok, olmo_eval keeps one failed
+    row, the failure has a FAILED MLflow run under the stage run, and the table is a Prefect artifact."""
+    import polars as pl
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    import flows.select
+    from tasks.common.tracking import WORKDIR_TAG, tracking_uri
+
+    def run_setting(cfg, setting):
+        if setting == "olmo_eval":
+            raise OSError("injected: the olmo_eval wheel is missing")
+        return _result(setting, "t", 0.2)
+
+    monkeypatch.setattr(flows.select, "run_setting", run_setting)
+    root = tmp_path / "root"
+    shutil.copytree(ROOT / "params", root / "params")
+    text = (root / "params" / "select.yaml").read_text()
+    (root / "params" / "select.yaml").write_text(text.replace("settings: [arithmetic]", "settings: [arithmetic, olmo_eval]", 1))
+    workdir = tmp_path / "work"
+    flows.select.select_flow(root=str(root), preset="ci", workdir=str(workdir))
+    table = pl.read_csv(workdir / "reports" / "ddcf.csv")
+    assert table.filter(pl.col("setting") == "arithmetic")["status"].to_list() == ["ok"] * 3
+    (failed,) = table.filter(pl.col("setting") == "olmo_eval").to_dicts()
+    assert failed["status"] == "failed" and failed["error"] == "OSError: injected: the olmo_eval wheel is missing"
+    assert failed["accuracy"] is None
+    assert pl.read_csv(workdir / "reports" / "failures" / "select.csv")["unit"].to_list() == ["olmo_eval"]
+    client = mlflow.MlflowClient(tracking_uri(workdir))
+    runs = client.search_runs([client.get_experiment_by_name("scalelab").experiment_id],
+                              f"tags.`{WORKDIR_TAG}` = '{workdir.resolve()}'", max_results=100)
+    (stage,) = [r for r in runs if r.info.run_name == "select"]
+    (unit,) = [r for r in runs if r.info.run_name == "select:olmo_eval"]
+    assert stage.info.status == "FINISHED" and unit.info.status == "FAILED"
+    assert unit.data.tags["mlflow.parentRunId"] == stage.info.run_id and "injected" in unit.data.tags["error"]
+    with get_client(sync_client=True) as prefect:
+        arts = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["select-ci"])))
+    assert any(stage.info.run_id in (a.description or "") for a in arts)
