@@ -39,9 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tasks.common.params import default_preset, load_stage_config  # noqa: E402
 from tasks.evaluation.config import EvaluateConfig  # noqa: E402
-from tasks.evaluation.downstream import (TaskItem, TaskRequests, TaskRun, TokenizerAdapter,  # noqa: E402
-                                         evaluate_tasks, load_requests, supports_shared_context,
-                                         wilson_interval)
+from tasks.evaluation.downstream import TaskRun, evaluate_tasks  # noqa: E402
+from tasks.evaluation.requests import TaskItem, TaskRequests, load_requests  # noqa: E402
+from tasks.evaluation.scoring import supports_shared_context  # noqa: E402
+from tasks.evaluation.stats import wilson_interval  # noqa: E402
+from tasks.evaluation.tokenizer import TokenizerAdapter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("arc_easy", "piqa", "hellaswag", "winogrande")

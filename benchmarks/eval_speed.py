@@ -61,7 +61,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tasks.evaluation.downstream import TaskRequests, load_requests  # noqa: E402
+from tasks.evaluation.requests import TaskRequests, load_requests  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("arc_easy", "piqa", "hellaswag", "winogrande")
@@ -152,9 +152,9 @@ def scalelab_worker(tasks: list[str], limit: int, threads: int, result: Path) ->
     from tasks.common.parallel import set_process_threads
     from tasks.common.params import default_preset, load_stage_config
     from tasks.evaluation.config import EvaluateConfig
-    from tasks.evaluation.downstream import (
-        _plan, encode_items, evaluate_tasks, supports_shared_context,
-    )
+    from tasks.evaluation.downstream import evaluate_tasks
+    from tasks.evaluation.requests import encode_items
+    from tasks.evaluation.scoring import _plan, supports_shared_context
 
     set_process_threads(threads)
     cfg = load_stage_config(EvaluateConfig, ROOT, "evaluate", default_preset(ROOT))

@@ -32,9 +32,9 @@ from tasks.common.io import atomic_dir, write_json, write_parquet
 from tasks.common.lineage import find_models, link_metrics, log_datasets
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.evaluation.config import EvaluateConfig
-from tasks.evaluation.downstream import (
-    TaskRequests, evaluate_tasks, load_requests, paired_difference, results_rows,
-)
+from tasks.evaluation.downstream import evaluate_tasks, results_rows
+from tasks.evaluation.requests import TaskRequests, load_requests
+from tasks.evaluation.stats import paired_difference
 from tasks.evaluation.microbench import microbench_task, plot_mdad
 from tasks.evaluation.task_laws import fit_task_laws, plot_task_law
 
@@ -442,7 +442,7 @@ def eval_tasks_command(args: Any, root: Path) -> int:
     from tasks.common.models import load_causal_lm
     from tasks.common.parallel import set_process_threads
     from tasks.common.params import default_preset, load_stage_config
-    from tasks.evaluation.downstream import check_task_names
+    from tasks.evaluation.requests import check_task_names
 
     tasks = check_task_names([t.strip() for t in args.tasks.split(",") if t.strip()])
     if not tasks:

@@ -14,7 +14,7 @@
   :func:`tasks.compression.registry.load_compressed_model`;
 * any ``from_pretrained`` folder with a tokenizer (e.g. what ``export_dequantized`` writes).
 
-``tokenizer`` is a :class:`tasks.evaluation.downstream.TokenizerAdapter`; ``meta`` holds
+``tokenizer`` is a :class:`tasks.evaluation.tokenizer.TokenizerAdapter`; ``meta`` holds
 ``name``, ``family`` (``ladder``/``smollm2``/``hf``), ``method``, ``bits``, ``vocab_size``,
 ``model_ctx_len`` and, for the ladder, ``variant``, ``run``, ``n_params``, ``tokens``.
 Nothing is downloaded: the tokenizer and weights must be on disk.
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from tasks.evaluation.downstream import TokenizerAdapter, check_vocabulary
+from tasks.evaluation.tokenizer import TokenizerAdapter, check_vocabulary
 
 SMOLLM2 = "smollm2"
 # SmolLM2's configured window is 8192; the library's default context is 2048 and no request comes near it.

@@ -1,47 +1,17 @@
 """AnyBCQ: binary-coded quantization with progressive precision expansion, one artifact for 2/3/4 bits.
 
-Binary-coded quantization (BCQ; Xu et al. 2018, "Alternating multi-bit quantization") writes each
-group of ``group_size`` input channels of a weight row as a sum of sign planes::
+Follows Park, Bae, Kwon, Kim, Kwon & Lee, "AnyBCQ: Hardware Efficient Flexible Binary-Coded
+Quantization for Multi-Precision LLMs" (2025, arXiv:2510.10467), on binary-coded quantization
+(Xu et al. 2018, "Alternating Multi-bit Quantization for Recurrent Neural Networks", arXiv:1802.00150):
+``w ≈ z + Σ_{p=1..k} α_p b_p`` per (row, group), the ``min_bits`` planes fitted by alternating
+minimisation, each further plane the sign of the residual with the earlier ones frozen and only the
+scales re-solved, so precision ``k`` reads planes ``1..k`` and its own scales.
 
-    w ≈ z + Σ_{p=1..k} α_p b_p,      b_p ∈ {-1, +1}^group_size,   α_p, z per (row, group)   (1)
-
-AnyBCQ (Park et al. 2025, "AnyBCQ: hardware-efficient flexible binary-coded quantization for
-multi-precision LLMs") makes the planes *nested*: the ``min_bits`` planes are fitted by
-alternating minimisation (best sign pattern per weight given the scales — all ``2**k`` candidates —
-then least-squares scales given the signs), and each further plane is the sign of the current
-residual, ``b_{k+1} = sign(w - ŵ_k)``, with every earlier plane frozen and only the scales
-re-solved by least squares for the new precision. So precision ``k`` reads planes ``1..k`` and its
-own scale set; one stored artifact serves every ``k`` in ``min_bits..max_bits``, chosen at load
-time (``load_compressed_model(path, base, bits=3)``). Because level ``k+1``'s least squares spans
-level ``k``'s basis plus one plane, the fitted error (plain or weighted, below) can only fall with
-``k`` (up to fp16 rounding of the scales).
-
-``offset`` adds the per-group constant ``z`` of (1) (affine BCQ, as in LUT-GEMM's BCQ with offset);
-without it the levels are symmetric around zero, as in the paper's formula.
-
-Two choices differ from the paper's plain data-free fit, and each is a config field. The paper
-minimises the Frobenius error ``‖W - Ŵ‖²`` from a greedy start (``init: greedy, weighting: none``).
-On SmolLM2-135M that fit collapses (perplexity 1.7e7 / 1.2e5 / 2,434 at 2 / 3 / 4 bits, g128,
-against 42.5 in fp32): least squares over a group trades its few largest weights for the bulk, and
-the largest single-weight errors came out 10-13x round-to-nearest's. The defaults therefore
-
-- start the ``min_bits`` planes from the min–max uniform grid (``init: uniform``), which BCQ with
-  an offset represents exactly (RTN is a special case of (1)), so the fit begins where RTN ends;
-- weigh each weight's squared error by the calibration second moment ``E[x_j^2]`` of its input
-  channel (``weighting: activation``; a diagonal of GPTQ's Hessian, normalised to mean 1 plus
-  ``weight_floor``), so the alternating fit and every expansion's least squares minimise an estimate
-  of the layer's output error rather than its weight error. The sign step is unchanged: a weight's
-  nearest level is nearest under any positive weight of its own.
-
-With both, the same artifact scored 736 / 82.9 / 50.7 (``benchmarks/quant_quality.py``; the
-table is in docs/compression.md). The nesting, the frozen planes and the monotone error in ``k`` are as in the
-paper.
-
-On disk per quantized weight (rows, cols): ``<name>.planes`` uint8 (max_bits, rows, ceil(cols / 8)),
-sign bits packed little-endian along columns (bit 1 = +1); for every precision ``k``
-``<name>.scales.<k>`` fp16 (rows, groups, k) and, with ``offset``, ``<name>.offset.<k>`` fp16
-(rows, groups). ``bits_per_weight`` at precision ``k`` counts what serving ``k`` bits reads:
-``k + 16 (k + offset) / group_size``; ``artifact_bits_per_weight`` counts every plane and scale set.
+Deviations, each a config field: ``offset`` adds the per-group constant ``z`` (affine BCQ, as
+LUT-GEMM's); the default fit starts from the min–max uniform grid (``init: uniform``) and weighs each
+weight's error by its input channel's calibration ``E[x_j²]`` (``weighting: activation``), because
+the paper's data-free Frobenius fit (``init: greedy, weighting: none``) collapsed on SmolLM2-135M
+(the measurements and the on-disk format are in docs/compression.md).
 """
 
 from __future__ import annotations
@@ -56,17 +26,11 @@ import torch
 from torch import nn
 
 from kernels.group_quant.reference import n_groups
-from tasks.common.config import require, to_dict
+from tasks.common.config import require
 from tasks.common.registry import MethodSpec
 from tasks.compression._calib import calibration_windows, input_statistics, model_seq_len, quantized_linears
-from tasks.compression.registry import (
-    CompressedModel,
-    base_fingerprint,
-    diagnostic,
-    register_dequantizer,
-    register_method,
-    unique_state,
-)
+from tasks.compression.packing import PackedWeights, packed_model, refuse_tied, with_unquantized
+from tasks.compression.registry import CompressedModel, diagnostic, register_dequantizer, register_method, unique_state
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,6 +238,7 @@ def compress_anybcq(model: nn.Module, cfg: AnyBCQConfig, *, calib_tokens: np.nda
     qmodel = copy.deepcopy(model).eval()
     state, tied = unique_state(qmodel)
     targets = quantized_linears(qmodel, cfg.skip)
+    refuse_tied(targets, tied)
     channel_weight: dict[str, torch.Tensor] = {}
     calib_windows = 0
     if cfg.weighting == "activation":
@@ -284,54 +249,38 @@ def compress_anybcq(model: nn.Module, cfg: AnyBCQConfig, *, calib_tokens: np.nda
         for name, st in stats.items():
             h = st.sq_mean.double()
             channel_weight[name] = (h / h.mean().clamp(min=1e-30) + cfg.weight_floor).float()
-    layout: dict[str, dict[str, Any]] = {}
-    quantized: dict[str, torch.Tensor] = {}
+    packed = PackedWeights()
     err = {k: 0.0 for k in range(cfg.min_bits, cfg.max_bits + 1)}
     norm = 0.0
-    n_quantized = 0
     for name, mod in targets:
-        key = f"{name}.weight"
-        if key in tied or key in tied.values():
-            raise ValueError(f"{key} is tied to another tensor; quantizing it would change both — add {name!r} to skip")
         w = mod.weight.detach()
         planes, scales = bcq_progressive(w, min_bits=cfg.min_bits, max_bits=cfg.max_bits, group_size=cfg.group_size,
                                          iters=cfg.iters, offset=cfg.offset, init=cfg.init,
                                          channel_weight=channel_weight.get(name))
-        quantized[f"{key}.planes"] = pack_planes(planes)
+        parts = {"planes": pack_planes(planes)}
         for k, (alpha, z) in scales.items():
-            quantized[f"{key}.scales.{k}"] = alpha.half()
+            parts[f"scales.{k}"] = alpha.half()
             if cfg.offset:
-                quantized[f"{key}.offset.{k}"] = z.half()
+                parts[f"offset.{k}"] = z.half()
             w_k = bcq_dequantize(planes[:k], alpha, z, group_size=cfg.group_size)
             err[k] += float(((w.float() - w_k) ** 2).sum())
         norm += float((w.float() ** 2).sum())
-        layout[key] = {"shape": list(w.shape), "dtype": str(w.dtype).removeprefix("torch."),
-                       "min_bits": cfg.min_bits, "max_bits": cfg.max_bits, "group_size": cfg.group_size,
-                       "offset": cfg.offset}
-        n_quantized += w.numel()
-    tensors = {k: v for k, v in state.items() if k not in layout}
-    tensors.update(quantized)
+        packed.add(f"{name}.weight", w, parts, {"min_bits": cfg.min_bits, "max_bits": cfg.max_bits,
+                                                "group_size": cfg.group_size, "offset": cfg.offset})
+    n_quantized = packed.n_params
     precisions = {str(k): bits_per_weight(k, cfg.group_size, cfg.offset) for k in range(cfg.min_bits, cfg.max_bits + 1)}
-    artifact_bits = sum(8 * v.numel() * v.element_size() for v in quantized.values())
-    meta = {
-        "method": cfg.method,
-        "config": to_dict(cfg),
-        "quantized": layout,
-        "tied": tied,
-        "base": base_fingerprint(model),
-        "n_quantized_params": n_quantized,
-        "bits": cfg.bits,
-        "precisions": precisions,
-        "bits_per_weight": precisions[str(cfg.bits)],
-        "artifact_bits_per_weight": artifact_bits / n_quantized if n_quantized else None,
-        "weight_error": {str(k): diagnostic((v / norm) ** 0.5) if norm else None for k, v in err.items()},
-        "calib_windows": calib_windows,
-    }
-    state_k = dequantized_state(tensors, meta)
+    # AnyBCQ's bits per weight is what serving cfg.bits reads; every plane and scale set is counted apart.
+    artifact_bits = sum(8 * v.numel() * v.element_size() for v in packed.tensors.values())
+    cm = packed_model(model, qmodel, state, tied, cfg, packed, bits=cfg.bits, precisions=precisions,
+                      bits_per_weight=precisions[str(cfg.bits)],
+                      artifact_bits_per_weight=artifact_bits / n_quantized if n_quantized else None,
+                      weight_error={str(k): diagnostic((v / norm) ** 0.5) if norm else None for k, v in err.items()},
+                      calib_windows=calib_windows)
+    state_k = dequantized_state(cm.tensors, cm.meta)
     with torch.no_grad():
         for name, mod in targets:
             mod.weight.copy_(state_k[f"{name}.weight"])
-    return CompressedModel(model=qmodel, tensors=tensors, meta=meta)
+    return cm
 
 
 @register_dequantizer("anybcq")
@@ -356,10 +305,4 @@ def dequantized_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any], *,
         g = n_groups(cols, spec["group_size"])
         z = tensors[f"{key}.offset.{bits}"] if spec.get("offset") else torch.zeros(rows, g)
         state[key] = bcq_dequantize(planes, alpha, z, group_size=spec["group_size"], dtype=getattr(torch, spec["dtype"]))
-    for k, v in tensors.items():
-        base = k.split(".weight.", 1)[0] + ".weight" if ".weight." in k else None
-        if base is None or base not in quantized:
-            state[k] = v
-    for alias, target in meta.get("tied", {}).items():
-        state[alias] = state[target]
-    return state
+    return with_unquantized(state, tensors, meta)

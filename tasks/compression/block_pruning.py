@@ -4,13 +4,15 @@ A *block* is a whole decoder layer, its attention sub-block or its MLP sub-block
 Both methods run calibration windows through the model once, record the residual stream at every
 block boundary and score each block from its input ``Z_{l-1}`` and output ``Z_l``:
 
-* **EntroDrop** (entropy-based block pruning; public code SalesforceAIResearch/EntroDrop): the entropy
+* **EntroDrop** (Yang, Xu, Tan, Sahoo, Savarese, Xiong, Wang & Heinecke 2025, "Entropy-Based Block
+  Pruning for Efficient Large Language Models", arXiv:2504.03794; code SalesforceAIResearch/EntroDrop): the entropy
   of the hidden representations falls over the first blocks and rises afterwards; a block that adds
   little entropy ``ΔH_l = H(Z_l) - H(Z_{l-1})`` inside the increasing phase carries little new
   information and is removed. ``H`` is estimated per calibration batch over the batch's token
   vectors with a bucket (histogram) or a k-NN (Kozachenko–Leonenko) estimator and averaged over batches.
-* **cosine_drop** (ShortGPT's block influence ``1 - cos``, measured as the angular distance of
-  Gromov et al., "The Unreasonable Ineffectiveness of the Deeper Layers"):
+* **cosine_drop** (ShortGPT's block influence ``1 - cos``: Men et al. 2024, "ShortGPT: Layers in Large
+  Language Models are More Redundant Than You Expect", arXiv:2403.03853; measured as the angular
+  distance of Gromov et al. 2024, "The Unreasonable Ineffectiveness of the Deeper Layers", arXiv:2403.17887):
   ``score_l = mean_tokens arccos(cos(Z_{l-1}, Z_l)) / π``; the blocks that turn the residual stream
   least are removed, each scored on its own (ShortGPT), not as one run of ``n`` consecutive layers
   (Gromov et al.).
@@ -23,7 +25,6 @@ pre-norm by ``nn.Identity``.
 
 >>> pruned = entrodrop(model, EntroDropConfig(n_remove=2, granularity="attention"), calib_tokens=tokens)  # doctest: +SKIP
 >>> pruned.removed, pruned.params_removed                                                                   # doctest: +SKIP
-([11, 14], 1769472)
 """
 
 from __future__ import annotations
@@ -60,9 +61,8 @@ class BlockPruneConfig(MethodSpec):
     ``calib_windows`` windows of ``seq_len`` calibration tokens, run ``batch_size`` at a time;
     ``skip_first_tokens``: positions at the start of each window left out of the statistics. The
     first position is the attention sink, whose hidden state carries the massive activations (Sun
-    et al., 2024); the public EntroDrop code keeps it, and so do we by default: on SmolLM2-135M,
-    leaving it out hid the jump of the layer that creates them (layer 11), which k-NN EntroDrop then
-    removed (perplexity 33 -> 245 with 2 layers removed, against 44 with the sink kept).
+    et al., 2024); the public EntroDrop code keeps it, and so do we by default (what leaving it out
+    did on SmolLM2-135M is in docs/pruning.md).
     """
 
     method: str = "block_prune"

@@ -3,13 +3,14 @@
 Every loss takes student and teacher logits ``(B, T, V)`` and an optional mask ``(B, T)`` (1 = the
 position counts) and returns the mean over counted positions of a per-position loss:
 
-* :func:`forward_kl` — ``KL(p_T || p_S) = Σ_v p_T(v) (log p_T(v) - log p_S(v))`` (Hinton et al.;
+* :func:`forward_kl` — ``KL(p_T || p_S) = Σ_v p_T(v) (log p_T(v) - log p_S(v))`` (Hinton, Vinyals &
+  Dean 2015, "Distilling the Knowledge in a Neural Network", arXiv:1503.02531;
   temperature ``τ`` divides both logits and the loss is scaled by ``τ²``).
 * :func:`direct_logit_distillation` (DLD) — ``(1/V) Σ_v (s_v - t_v)²``, the MSE between logits.
   Not shift-invariant: a student whose logits are the teacher's plus a constant (the same
   distribution) still pays ``c²``.
-* :func:`concrete_score_distillation` (CSD; Kim et al., "Distillation of Large Language Models via
-  Concrete Score Matching", ICLR 2026) — matches the relative logit differences over all vocabulary
+* :func:`concrete_score_distillation` (CSD; Kim, Shin, Kang, Na & Moon, "Distillation of Large Language
+  Models via Concrete Score Matching", ICLR 2026, arXiv:2509.25837) — matches the relative logit differences over all vocabulary
   pairs, i.e. the log concrete scores ``log p(j)/p(i) = f[j] - f[i]``::
 
       L = ½ Σ_i Σ_j w_ij ((s_j - s_i) - (t_j - t_i))²,   w_ij = a_i b_j

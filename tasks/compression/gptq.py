@@ -1,7 +1,7 @@
 """GPTQ: Hessian-based column-by-column weight quantization from calibration activations.
 
-Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers"
-(ICLR 2023). For a linear layer with weight ``W`` (out, in) and calibration inputs ``X`` (n, in),
+Frantar, Ashkboos, Hoefler & Alistarh, "GPTQ: Accurate Post-Training Quantization for Generative
+Pre-trained Transformers" (ICLR 2023, arXiv:2210.17323). For a linear layer with weight ``W`` (out, in) and calibration inputs ``X`` (n, in),
 GPTQ minimises ``||X W^T - X W_hat^T||^2`` one input column at a time: with ``H = 2 X^T X / n``
 (damped by ``λ I``, ``λ = damp * mean(diag H)``) and ``U`` the upper Cholesky factor of ``H^-1``,
 column ``j`` is rounded to the grid and its error is pushed onto the columns not yet quantized::
@@ -33,19 +33,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels.group_quant import pack_codes
 from kernels.group_quant import reference as gq
-from tasks.common.config import require, to_dict
+from tasks.common.config import require
 from tasks.common.registry import MethodSpec
 from tasks.compression._calib import by_block, calibration_windows, input_statistics, model_seq_len, quantized_linears
-from tasks.compression.registry import (
-    CompressedModel,
-    base_fingerprint,
-    diagnostic,
-    register_dequantizer,
-    register_method,
-    unique_state,
-)
+from tasks.compression.packing import PackedWeights, packed_model, refuse_tied
+from tasks.compression.registry import CompressedModel, diagnostic, register_dequantizer, register_method, unique_state
 from tasks.compression.rtn import dequantized_state, symmetric_quantize
 
 register_dequantizer("gptq")(dequantized_state)
@@ -190,17 +183,11 @@ def compress_gptq(model: nn.Module, cfg: GPTQConfig, *, calib_tokens: np.ndarray
     qmodel = copy.deepcopy(model).eval()
     state, tied = unique_state(qmodel)
     targets = quantized_linears(qmodel, cfg.skip)
-    for name, _ in targets:
-        key = f"{name}.weight"
-        if key in tied or key in tied.values():
-            raise ValueError(f"{key} is tied to another tensor; quantizing it would change both — add {name!r} to skip")
-    layout: dict[str, dict[str, Any]] = {}
-    quantized: dict[str, torch.Tensor] = {}
+    refuse_tied(targets, tied)
+    packed = PackedWeights()
     damping: dict[str, float] = {}
     fallback: list[str] = []
     proxy: dict[str, float] = {}
-    stored_bits = 0
-    n_quantized = 0
     groups = by_block(qmodel, targets) if cfg.sequential else [(None, targets)]
     fp_stats = None if cfg.sequential else input_statistics(qmodel, windows, dict(targets), full=True)
     for block, members in groups:
@@ -219,29 +206,8 @@ def compress_gptq(model: nn.Module, cfg: GPTQConfig, *, calib_tokens: np.ndarray
                 proxy[key] = diagnostic(info["proxy_loss"])
             with torch.no_grad():
                 mod.weight.copy_(gq.dequantize(q, scale, zero, group_size=cfg.group_size, dtype=w.dtype))
-            packed = pack_codes(q, cfg.bits)
-            quantized[f"{key}.qweight"] = packed
-            quantized[f"{key}.scales"] = scale
-            if not cfg.symmetric:
-                quantized[f"{key}.zeros"] = zero
-            layout[key] = {"shape": list(w.shape), "dtype": str(w.dtype).removeprefix("torch."),
-                           "bits": cfg.bits, "group_size": cfg.group_size, "symmetric": cfg.symmetric}
-            stored_bits += 8 * (packed.numel() + 2 * scale.numel() + (0 if cfg.symmetric else 2 * zero.numel()))
-            n_quantized += w.numel()
-    tensors = {k: v for k, v in state.items() if k not in layout}
-    tensors.update(quantized)
-    meta = {
-        "method": cfg.method,
-        "config": to_dict(cfg),
-        "quantized": layout,
-        "tied": tied,
-        "base": base_fingerprint(model),
-        "n_quantized_params": n_quantized,
-        "bits_per_weight": stored_bits / n_quantized if n_quantized else None,
-        "calib_windows": int(windows.shape[0]),
-        "calib_seq_len": int(windows.shape[1]),
-        "damping": damping,
-        "fallback_rtn": fallback,
-        "proxy_loss": proxy,
-    }
-    return CompressedModel(model=qmodel, tensors=tensors, meta=meta)
+            packed.add_group_codes(key, w, q, scale, zero, bits=cfg.bits, group_size=cfg.group_size,
+                                   symmetric=cfg.symmetric)
+    return packed_model(model, qmodel, state, tied, cfg, packed,
+                        calib_windows=int(windows.shape[0]), calib_seq_len=int(windows.shape[1]),
+                        damping=damping, fallback_rtn=fallback, proxy_loss=proxy)

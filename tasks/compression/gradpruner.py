@@ -1,47 +1,20 @@
-"""GradPruner: gradient-guided layer pruning with sign-consistent merging (Huang, Cheng & Wang,
-"GradPruner: Gradient-guided Layer Pruning Enabling Efficient Fine-Tuning and Inference for LLMs",
-ICLR 2026; public code secretflow/ACoLab, PaperCode/GradPrune).
+"""GradPruner: gradient-guided layer pruning with sign-consistent merging.
 
-Three steps, on a Llama-family decoder:
+Follows Huang, Cheng & Wang, "GradPruner: Gradient-guided Layer Pruning Enabling Efficient
+Fine-Tuning and Inference for LLMs" (ICLR 2026; public code secretflow/ACoLab, PaperCode/GradPrune):
+accumulate each weight's squared (or absolute) gradient over the first ``steps`` fine-tuning steps
+(the IGIA-Matrix), remove the ``n_remove`` layers with the smallest sums, and add each removed
+layer's top-``density`` weights into the neighbouring kept layer where the signs agree.
 
-1. **IGIA-Matrix.** A copy of the model is fine-tuned for the first ``t = steps`` AdamW steps of
-   next-token loss on calibration windows; after every backward pass each weight's gradient is
-   accumulated element by element into its Initial Gradient Information Accumulation matrix::
-
-       F_W = (1/t) Σ_{i=1..t} (∇_W L_i)²        (accumulate="squared", the paper's Eq.)
-       F_W = (1/t) Σ_{i=1..t} |∇_W L_i|         (accumulate="abs")
-
-   The paper fine-tunes with LoRA and simulates the frozen weight's gradient from the adapters'
-   (``∇W ≈ ∇B · ∇A``); it also supports full fine-tuning, which is what is done here: the decoder
-   layers' linear weights are trained directly (embeddings, head and norms frozen, as LoRA leaves
-   them) and their true gradients accumulated.
-2. **Layer ranking.** A layer's importance is the sum of the IGIA entries of all its linear
-   sub-layers, ``S_l = Σ_{W ∈ layer l} Σ_ij F_W[i, j]``; the ``n_remove`` lowest-scoring layers
-   (between ``keep_first`` and ``keep_last``) are pruned.
-3. **Sparsify and merge.** Each pruned layer ``p`` is not simply dropped: every linear weight of it
-   keeps only its top ``density`` fraction of elements by ``F_W`` (the paper's top-p%), and those
-   are added into the same weight of the neighbouring kept layer ``k`` where the two signs agree::
-
-       W_k ← W_k + λ · M_sign ⊙ M_top ⊙ W_p,
-       M_top = 1[F_{W_p} among the top ⌈density·numel⌉],  M_sign = 1[sign(W_p) = sign(W_k)]
-
-   (:func:`sign_consistent_merge`). The kept layer then loses the pruned layer's norms; the layer is
-   removed with :func:`~tasks.compression.block_pruning.remove_blocks` (renumbering, config).
-
-Where the paper (as available to us) is silent, the choices are parameters: ``merge_into`` — the
-preceding kept layer (the paper's), falling back to the following one for a pruned layer with no
-kept layer before it; several pruned layers merging into one kept layer are merged in layer order,
-each compared with the kept weight as it stands after the previous merges; ``merge_scale`` — ``λ``
-(1 = the paper's plain addition); ``density`` — the top-p fraction (0 = plain removal, no merge);
-biases of linear sub-layers (where a model has them) are merged like weights, RMSNorm weights are
-not (they are scales near 1; adding them would double the kept layer's); ``weights`` — whether the
-pruned model is built from the original weights (``original``, the public pipeline's: the layers are
-pruned on the base model, which is then fine-tuned) or from the copy after the ``t`` steps
-(``finetuned``, as if training went on).
+Deviations: full fine-tuning of the decoder layers' linear weights (embeddings, head and norms
+frozen, as LoRA leaves them) with their true gradients, where the paper simulates the frozen
+weight's gradient from LoRA's adapters; where the paper is silent (merge direction, several layers
+merging into one, ``merge_scale``, biases, norms, which weights the pruned model starts from) the
+choice is a config field. Details: docs/pruning.md.
 
 >>> pruned = gradpruner(model, GradPrunerConfig(n_remove=2), calib_tokens=tokens)   # doctest: +SKIP
->>> pruned.removed, pruned.merged_into, pruned.merged_elements                       # doctest: +SKIP
-([17, 21], {17: 16, 21: 20}, {17: 401203, 21: 398770})
+>>> pruned.removed, pruned.merged_into                                              # doctest: +SKIP
+([17, 21], {17: 16, 21: 20})
 """
 
 from __future__ import annotations

@@ -1,55 +1,18 @@
-"""InherNet: a smaller network inherited from the teacher by asymmetric low-rank decomposition
-(Zhou, Shi, Xu, Jiang & Chen, "Beyond Student: An Asymmetric Network for Neural Network
-Inheritance", ICLR 2026; demo code zyy-2001/InherNet-Demo).
+"""InherNet: a smaller network inherited from the teacher by asymmetric low-rank decomposition.
 
-Every chosen linear ``y = W x + b`` of the teacher (``W`` (m, n)) is decomposed by SVD,
-``W = U Σ Vᵀ``, and replaced by an :class:`InherLinear` of rank ``r``::
+Follows Zhou, Shi, Xu, Jiang & Chen, "Beyond Student: An Asymmetric Network for Neural Network
+Inheritance" (ICLR 2026; demo code zyy-2001/InherNet-Demo): every chosen linear ``W = U Σ Vᵀ``
+becomes an :class:`InherLinear` of rank ``r``, one shared down factor ``A = V_rᵀ`` and ``H`` up
+factors ``B_h = U_r Σ_r`` mixed by a softmax gate on the rank-``r`` code (``H > 1``), ranks spread
+over the matrices by a parameter budget (``uniform`` or ``spectrum`` allocation).
 
-    z = A x,                      A = V_rᵀ                 (r, n)   shared "down" factor
-    y = Σ_h g_h(z) · B_h z + b,   B_h = U_r Σ_r  (h = 1..H) (m, r)   one "up" factor per head
-    g(z) = softmax(G z + c)                                  (H,)     gate, only when H > 1
-
-The decomposition is *asymmetric*: one shared down-projection and ``H`` up-projections mixed by a
-gate on the rank-``r`` code (the demo's ``GatedSum`` structure, Mixture-of-Experts style). It deepens
-the network (each linear becomes two), widens it (``H`` heads) and compresses it (``r`` < min(m, n)):
-the paper's balance of depth, width and compression; ``heads`` sets the width and the parameter
-budget sets the ranks. Each head starts from the principal components ``U_r Σ_r``, so at
-initialisation the gate's mixture (weights summing to 1) equals the rank-``r`` truncation of ``W``
-whatever the gate's (random, seeded) weights, and with full rank the inherited network computes the
-teacher's function exactly. The gate's random initialisation is what lets heads diverge in
-training (identical heads under a constant gate would receive identical updates).
-
-Where we chose: the demo divides each head's initial ``U_r Σ_r`` by ``H``, which under a softmax
-gate (weights summing to 1) scales the layer's output by ``1/H``; we initialise every head with the
-whole ``U_r Σ_r``, which keeps the inherited function. ``sigma``: ``up`` puts ``Σ_r`` in the up factor
-(the demo's ``B = U_r Σ_r``, ``A = V_rᵀ``), ``sqrt`` splits it ``√Σ_r`` to each side. Which linears:
-``modules`` (default: every ``nn.Linear`` of the decoder layers; embeddings and the output head stay
-dense, norms are kept). Ranks come from a parameter budget (``target_fraction`` of the teacher's
-parameters or ``target_params``; the whole student is counted, tied weights once) or a fixed
-``rank``, spread by ``allocation``:
-
-* ``uniform`` — one rank ratio ``ρ`` for every matrix, ``r_i = max(min_rank, ⌊ρ · min(m_i, n_i)⌋)``,
-  the largest ``ρ`` that fits the budget (the demo uses one rank everywhere);
-* ``spectrum`` — singular directions are taken greedily across all matrices in order of retained
-  energy per parameter, ``σ_ij² / ‖W_i‖_F²`` divided by the parameters one rank unit costs,
-  as long as the budget allows.
-
-Both give ranks that never shrink when the budget grows. The depth of the network (its number of
-decoder layers) and its hidden width are the teacher's: the paper deepens and widens *within* each
-linear rather than dropping layers.
-
-The result is a ``LlamaForCausalLM`` (or the teacher's class) whose linears are :class:`InherLinear`:
-it runs under :func:`tasks.evaluation.loss.evaluate_loss` and trains under
-:func:`tasks.compression.distill.recover`. It does not load through ``from_pretrained`` (the config
-has no field for factored linears): :func:`save_inhernet` writes ``config.json`` (the teacher's
-transformers config), ``inhernet.json`` (each factored linear's shape, rank and heads, and the
-run's record) and ``model.safetensors``; :func:`load_inhernet` rebuilds it. :func:`to_dense`
-multiplies the factors back into a plain model of the teacher's class (single-head only: with
-``H > 1`` the gate mixes heads per token, which no dense matrix can express).
+Deviation: the demo divides each head's ``U_r Σ_r`` by ``H``, which scales the layer's output by
+``1/H`` under a softmax gate; here every head starts from the whole ``U_r Σ_r``, so the inherited
+network computes the rank-``r`` truncation of the teacher whatever the gate. The result saves and
+loads with :func:`save_inhernet` / :func:`load_inhernet` (not ``from_pretrained``); :func:`to_dense`
+multiplies single-head factors back. Details: docs/pruning.md.
 
 >>> inh = inhernet(teacher, InherNetConfig(target_fraction=0.5))          # doctest: +SKIP
->>> inh.params_after / inh.params_before, inh.meta()["rank_ratio"]        # doctest: +SKIP
-(0.4998, 0.21)
 """
 
 from __future__ import annotations

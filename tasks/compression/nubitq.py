@@ -1,45 +1,13 @@
 """NuBitQ: non-uniform weight quantization with learned codebooks, per-layer bit widths to a budget,
 and the Outlier Compensation Plugin (OCP).
 
-NuBitQ (arbitrary bit-width non-uniform quantization with layer-specific strategies, no Hessian
-inversion and no fine-tuning) with its OCP, as summarised in the project's METHODS.md. What this
-module computes:
-
-1. **Sensitivities from calibration text** (one forward and, with ``propagation``, one backward pass):
-   the input second moment of every quantized linear, ``d_j = E[x_j^2]`` (the activation distribution
-   at input channel ``j``), and the output-gradient second moment ``f_i = E[(∂L/∂y_i)^2]`` of the LM
-   loss (how a perturbation of output ``i`` propagates through all following layers to the loss:
-   the diagonal Fisher). The expected loss increase of a perturbation ``ΔW`` is then estimated as
-   ``½ Σ_ij f_i d_j ΔW_ij^2`` (diagonal second-order estimate).
-2. **Codebooks**: each row (``codebook: row``), each group of ``group_size`` columns of a row
-   (``group``) or the whole matrix with a per-row fp16 scale (``tensor``) gets ``2**b`` fp16 levels from
-   activation-weighted Lloyd / k-means on the weights, ``min_c Σ_j d_j (w_j - c[a_j])^2``, started at
-   weighted quantiles.
-3. **Per-layer bit widths** (``budget_bits``): each layer's codebooks are fitted at every width in
-   ``bit_choices``; starting from the narrowest, the layer whose next width buys the largest fall of
-   the estimated loss increase per stored bit is widened, while the total stays within the budget
-   (marginal analysis). The budget counts everything stored: codes, codebooks, row scales and outliers.
-4. **OCP, linear level, sparse outliers** (``outlier_frac``): an outlier score per weight
-   ``s_ij = f_i d_j ΔW_ij^2`` combining the quantizer's perturbation ``ΔW``, the activation ``d_j``
-   and the propagation ``f_i`` (``outlier_score: magnitude`` ranks by ``|W_ij|`` instead, for the
-   ablation); the top ``outlier_frac`` of all quantized weights are kept exact in a CSR side matrix
-   (fp16 value, int16 column, int32 row pointers) and the codebooks are refitted without them.
-5. **OCP, linear level, least-squares correction** (``lsq_correction``, row codebooks up to 4 bits):
-   with the assignments fixed, each row's codebook is re-solved against the full input covariance
-   ``H = E[x x^T]`` (damped by 1% of its mean diagonal), ``c = argmin (w - A c)^T H (w - A c)`` over the
-   non-outlier weights: a ``2**b x 2**b`` system per row, no ``in x in`` inversion.
-6. **OCP, block level** (``block_correction``): after all linears are quantized, each block's
-   ``o_proj``/``down_proj``-style output linear (the last linear of a residual branch) gets a
-   per-output-channel factor ``γ_i = <y_i, ŷ_i> / <ŷ_i, ŷ_i>`` that best matches the full-precision
-   branch output given the quantized model's own inputs, folded into that row's codebook (row
-   codebooks: no extra storage).
-
-Not implemented: the OCP's model-level compensation (output divergence of the whole model).
-
-On disk per quantized weight (rows, cols) at ``b`` bits: ``<name>.codes`` uint8 (rows,
-ceil(cols * b / 8)) (the RTN bit packing), ``<name>.codebook`` fp16 ((rows | rows, groups | 1), 2**b),
-``<name>.row_scale`` fp16 (rows,) for ``tensor`` codebooks, and with outliers ``<name>.outlier_values``
-fp16 (nnz,), ``<name>.outlier_cols`` int16/int32 (nnz,), ``<name>.outlier_rowptr`` int32 (rows + 1,).
+Follows Mao, Zhang, Li, Qiao, Cai, Wu & Liu, "No Outlier Channels but with Outlier Blocks" (ICLR
+2026; code maoshanwen/NuBitQ-OCP): activation-weighted Lloyd codebooks per row, group or tensor,
+bit widths shared out to ``budget_bits`` by marginal analysis on a diagonal second-order loss
+estimate ``½ Σ_ij f_i d_j ΔW_ij²`` (``d_j = E[x_j²]``, ``f_i = E[(∂L/∂y_i)²]``), and the OCP's
+linear-level sparse outliers and least-squares codebook correction and block-level output factors.
+No Hessian inversion, no fine-tuning. Deviation: the OCP's model-level compensation (the whole
+model's output divergence) is not implemented. Details and the on-disk format: docs/compression.md.
 """
 
 from __future__ import annotations
@@ -55,17 +23,11 @@ from torch import nn
 
 from kernels.group_quant import pack_codes, packed_cols, unpack_codes
 from kernels.group_quant.reference import n_groups
-from tasks.common.config import require, to_dict
+from tasks.common.config import require
 from tasks.common.registry import MethodSpec
 from tasks.compression._calib import calibration_windows, decoder_blocks, model_seq_len, quantized_linears
-from tasks.compression.registry import (
-    CompressedModel,
-    base_fingerprint,
-    diagnostic,
-    register_dequantizer,
-    register_method,
-    unique_state,
-)
+from tasks.compression.packing import PackedWeights, packed_model, refuse_tied, with_unquantized
+from tasks.compression.registry import CompressedModel, diagnostic, register_dequantizer, register_method, unique_state
 
 Scope = Literal["row", "group", "tensor"]
 
@@ -498,10 +460,7 @@ def compress_nubitq(model: nn.Module, cfg: NuBitQConfig, *, calib_tokens: np.nda
     qmodel = copy.deepcopy(model).eval()
     state, tied = unique_state(qmodel)
     targets = quantized_linears(qmodel, cfg.skip)
-    for name, _ in targets:
-        key = f"{name}.weight"
-        if key in tied or key in tied.values():
-            raise ValueError(f"{key} is tied to another tensor; quantizing it would change both — add {name!r} to skip")
+    refuse_tied(targets, tied)
     mods = dict(targets)
     lsq = cfg.lsq_correction and cfg.codebook == "row"
     sens = sensitivities(qmodel, windows, mods, fisher=cfg.propagation, full=lsq, batch_size=cfg.batch_size)
@@ -560,9 +519,7 @@ def compress_nubitq(model: nn.Module, cfg: NuBitQConfig, *, calib_tokens: np.nda
                 imp = importance(name) * keep[name]
                 fits[name][chosen[name]] = fit_layer(w, imp, chosen[name], cfg.codebook, cfg.group_size, cfg.lloyd_iters)
     estimated = 0.0
-    layout: dict[str, dict[str, Any]] = {}
-    quantized: dict[str, torch.Tensor] = {}
-    stored_bits = 0
+    packed = PackedWeights()
     total_outliers = 0
     for name, w in weights.items():
         key = f"{name}.weight"
@@ -573,41 +530,27 @@ def compress_nubitq(model: nn.Module, cfg: NuBitQConfig, *, calib_tokens: np.nda
         estimated += 0.5 * float((importance(name) * resid**2).sum())
         if lsq and chosen[name] <= 4:
             code.codebook = lsq_codebook(w, code.codes, code.codebook, sens[name]["h"], keep=kept)
+        parts: dict[str, torch.Tensor] = {}
         nnz = 0
         if kept is not None:
             vals, cols_idx, rowptr = to_csr(~kept, w)
-            quantized[f"{key}.outlier_values"] = vals
-            quantized[f"{key}.outlier_cols"] = cols_idx
-            quantized[f"{key}.outlier_rowptr"] = rowptr
+            parts.update(outlier_values=vals, outlier_cols=cols_idx, outlier_rowptr=rowptr)
             nnz = vals.numel()
             total_outliers += nnz
-        quantized[f"{key}.codes"] = pack_codes(code.codes, code.bits)
-        quantized[f"{key}.codebook"] = code.codebook.half()
+        parts.update(codes=pack_codes(code.codes, code.bits), codebook=code.codebook.half())
         if code.row_scale is not None:
-            quantized[f"{key}.row_scale"] = code.row_scale.half()
-        layout[key] = {"shape": list(w.shape), "dtype": str(mods[name].weight.dtype).removeprefix("torch."),
-                       "bits": code.bits, "codebook": cfg.codebook, "group_size": cfg.group_size, "outliers": nnz}
-        stored_bits += layer_bits(*w.shape, code.bits, cfg.codebook, cfg.group_size, nnz)
-    tensors = {k: v for k, v in state.items() if k not in layout}
-    tensors.update(quantized)
-    meta = {
-        "method": cfg.method,
-        "config": to_dict(cfg),
-        "quantized": layout,
-        "tied": tied,
-        "base": base_fingerprint(model),
-        "n_quantized_params": n_total,
-        "bits_per_weight": stored_bits / n_total if n_total else None,
-        "layer_bits": {f"{n}.weight": b for n, b in chosen.items()},
-        "outliers": total_outliers,
-        "budget_met": budget_met,
-        "estimated_loss_increase": diagnostic(estimated),
-        "calib_windows": int(windows.shape[0]),
-    }
-    _load_into(qmodel, tensors, meta)
+            parts["row_scale"] = code.row_scale.half()
+        packed.add(key, mods[name].weight, parts, {"bits": code.bits, "codebook": cfg.codebook,
+                                                   "group_size": cfg.group_size, "outliers": nnz},
+                   stored_bits=layer_bits(*w.shape, code.bits, cfg.codebook, cfg.group_size, nnz))
+    cm = packed_model(model, qmodel, state, tied, cfg, packed,
+                      layer_bits={f"{n}.weight": b for n, b in chosen.items()}, outliers=total_outliers,
+                      budget_met=budget_met, estimated_loss_increase=diagnostic(estimated),
+                      calib_windows=int(windows.shape[0]))
+    _load_into(qmodel, cm.tensors, cm.meta)
     if cfg.block_correction:
-        _block_correction(model, qmodel, windows, tensors, meta, cfg)
-    return CompressedModel(model=qmodel, tensors=tensors, meta=meta)
+        _block_correction(model, qmodel, windows, cm.tensors, cm.meta, cfg)
+    return cm
 
 
 def _load_into(qmodel: nn.Module, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -669,13 +612,7 @@ def dequantized_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) ->
             r, c = from_csr(vals, tensors[f"{key}.outlier_cols"], tensors[f"{key}.outlier_rowptr"], (rows, cols))
             w[r, c] = vals.float()
         state[key] = w.to(getattr(torch, spec["dtype"]))
-    for k, v in tensors.items():
-        base = k.split(".weight.", 1)[0] + ".weight" if ".weight." in k else None
-        if base is None or base not in quantized:
-            state[k] = v
-    for alias, target in meta.get("tied", {}).items():
-        state[alias] = state[target]
-    return state
+    return with_unquantized(state, tensors, meta)
 
 
 def expected_bits_per_weight(rows: int, cols: int, bits: int, scope: Scope = "row", group_size: int = 128) -> float:

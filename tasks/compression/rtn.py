@@ -1,5 +1,7 @@
 """Round-to-nearest (RTN) per-group asymmetric weight quantization: the baseline every quantizer beats.
 
+No paper of its own: the data-free baseline of GPTQ's paper (Frantar et al. 2023, arXiv:2210.17323).
+
 For each selected ``nn.Linear`` weight ``W`` (out, in), each row is cut into groups of
 ``group_size`` input channels and quantized with its own scale and zero point (min/max of the group
 widened to include 0; see :mod:`kernels.group_quant.reference` for the exact arithmetic)::
@@ -25,18 +27,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels.group_quant import dequantize, pack_codes, packed_cols, quantize, unpack_codes
-from tasks.common.config import require, to_dict
+from kernels.group_quant import dequantize, packed_cols, quantize, unpack_codes
+from tasks.common.config import require
 from tasks.common.patterns import matches_any
 from tasks.common.registry import MethodSpec
 from kernels.group_quant.reference import FP16_MIN_NORMAL, n_groups
-from tasks.compression.registry import (
-    CompressedModel,
-    base_fingerprint,
-    register_dequantizer,
-    register_method,
-    unique_state,
-)
+from tasks.compression.packing import PackedWeights, packed_model, refuse_tied, with_unquantized
+from tasks.compression.registry import CompressedModel, register_dequantizer, register_method, unique_state
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,44 +93,17 @@ def compress_rtn(model: nn.Module, cfg: RTNConfig, *, calib_tokens: np.ndarray |
     qmodel = copy.deepcopy(model)
     state, tied = unique_state(qmodel)
     targets = quantized_linears(qmodel, cfg.skip)
-    layout: dict[str, dict[str, Any]] = {}
-    quantized: dict[str, torch.Tensor] = {}
-    stored_bits = 0
-    n_quantized = 0
+    refuse_tied(targets, tied)
+    packed = PackedWeights()
+    quant = symmetric_quantize if cfg.symmetric else quantize
     for name, mod in targets:
-        key = f"{name}.weight"
-        if key in tied or key in tied.values():
-            aliases = sorted(a for a, b in tied.items() if key in (a, b))
-            raise ValueError(
-                f"{key} is tied to {aliases}; quantizing it would change the tied tensor too — "
-                f"add {name!r} to skip"
-            )
         w = mod.weight.detach()
-        quant = symmetric_quantize if cfg.symmetric else quantize
         q, scale, zero = quant(w, bits=cfg.bits, group_size=cfg.group_size)
         with torch.no_grad():
             mod.weight.copy_(dequantize(q, scale, zero, group_size=cfg.group_size, dtype=w.dtype))
-        packed = pack_codes(q, cfg.bits)
-        quantized[f"{key}.qweight"] = packed
-        quantized[f"{key}.scales"] = scale
-        if not cfg.symmetric:
-            quantized[f"{key}.zeros"] = zero
-        layout[key] = {"shape": list(w.shape), "dtype": str(w.dtype).removeprefix("torch."),
-                       "bits": cfg.bits, "group_size": cfg.group_size, "symmetric": cfg.symmetric}
-        stored_bits += 8 * (packed.numel() + 2 * scale.numel() + (0 if cfg.symmetric else 2 * zero.numel()))
-        n_quantized += w.numel()
-    tensors = {k: v for k, v in state.items() if k not in layout}
-    tensors.update(quantized)
-    meta = {
-        "method": cfg.method,
-        "config": to_dict(cfg),
-        "quantized": layout,
-        "tied": tied,
-        "base": base_fingerprint(model),
-        "n_quantized_params": n_quantized,
-        "bits_per_weight": stored_bits / n_quantized if n_quantized else None,
-    }
-    return CompressedModel(model=qmodel, tensors=tensors, meta=meta)
+        packed.add_group_codes(f"{name}.weight", w, q, scale, zero, bits=cfg.bits, group_size=cfg.group_size,
+                               symmetric=cfg.symmetric)
+    return packed_model(model, qmodel, state, tied, cfg, packed)
 
 
 @register_dequantizer("rtn")
@@ -161,10 +131,4 @@ def dequantized_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) ->
         else:
             zeros = tensors[f"{key}.zeros"]
         state[key] = dequantize(q, scales, zeros, group_size=group_size, dtype=dtype)
-    suffixes = (".qweight", ".scales", ".zeros")
-    for k, v in tensors.items():
-        if not (k.endswith(suffixes) and k.rsplit(".", 1)[0] in quantized):
-            state[k] = v
-    for alias, target in meta.get("tied", {}).items():
-        state[alias] = state[target]
-    return state
+    return with_unquantized(state, tensors, meta)

@@ -1,6 +1,6 @@
 """The evaluate stage's config: :class:`EvaluateConfig`, the ``evaluate:`` section of
 params/evaluate.yaml, and :class:`SmolLM2EvalConfig`, its ``smollm2:`` block. The other configs it
-holds stay next to their steps: :class:`~tasks.evaluation.downstream.ScoringConfig` (the scorer),
+holds stay next to their steps: :class:`~tasks.evaluation.scoring.ScoringConfig` (the scorer),
 :class:`~tasks.evaluation.task_laws.TaskLawConfig` and
 :class:`~tasks.evaluation.microbench.MicrobenchStageConfig`.
 """
@@ -12,7 +12,8 @@ from typing import Any
 
 from tasks.common.config import require
 from tasks.common.patterns import matches_any
-from tasks.evaluation.downstream import ScoringConfig, check_task_names
+from tasks.evaluation.requests import check_task_names
+from tasks.evaluation.scoring import ScoringConfig
 from tasks.evaluation.microbench import MicrobenchStageConfig
 from tasks.evaluation.task_laws import TaskLawConfig
 
@@ -54,7 +55,7 @@ def _validate_settings(compression: dict, sparse: dict) -> None:
 class EvaluateConfig:
     """The ``evaluate:`` section of params/evaluate.yaml.
 
-    ``tasks``/``shots``: the suite (names from :data:`~tasks.evaluation.downstream.TASKS`; 0 or 5 shots, OLMo's rc formats).
+    ``tasks``/``shots``: the suite (names from :data:`~tasks.evaluation.requests.TASKS`; 0 or 5 shots, OLMo's rc formats).
     ``limit``: the first items of each task scored on every ladder model. ``models``: trained runs
     by name (empty = all). ``compressed``: also score the compress stage's artifacts;
     ``sparse``: sparse settings (with their sparsities) applied in process to ladder models;

@@ -1,56 +1,22 @@
 """Evaluation subsets that rank models reliably: micro-benchmark selectors judged by MDAD.
 
-From a models x items 0/1 correctness matrix ``C`` (the evaluate stage's
-``reports/downstream/correctness_<task>.parquet``, or a CSV a user supplies), each selector picks
-``n`` items and weights ``w`` (plus an intercept ``b``, zero except for learned weights); a
-model's full-benchmark accuracy ``a_m = mean_j C[m, j]`` is estimated as
-``â_m = b + sum_k w_k C[m, item_k]``. The selectors:
+From a models x items 0/1 correctness matrix (the evaluate stage's
+``reports/downstream/correctness_<task>.parquet``, or a user's CSV) each selector picks ``n`` items and
+weights, and estimates a model's full-benchmark accuracy from them: ``random``; ``stratified`` (by
+item difficulty); ``anchor_points`` (Vivek, Ethayarajh, Yang & Kiela 2024, "Anchor Points: Benchmarking
+Models with Much Fewer Examples", arXiv:2309.08638: k-medoids on the items' correctness vectors,
+each anchor weighted by its cluster's share); ``learned_anchors`` (after SparseEval: Zhang, Guo, Lu,
+Dai, Xia & Wang 2026, "SparseEval: Efficient Evaluation of Large Language Models by Sparse
+Optimization", arXiv:2602.07909: the same anchors with non-negative weights and an intercept fitted by
+L-BFGS-B). Selectors are fitted on training models and judged on held-out ones by cross-validation
+over models, by MDAD (Yauney, Warraich & Swayamdipta 2025, "How Reliable is Language Model
+Micro-Benchmarking?", arXiv:2510.08730), Kendall's tau and MAE.
 
-- ``random``: ``n`` items uniformly without replacement, ``w_k = 1/n``.
-- ``stratified``: items ranked by difficulty (their mean correctness over the training models) and
-  cut into ``min(strata, n)`` equal-count quantile strata; every stratum gets one item, the rest
-  are allocated in proportion to stratum size; ``w_k = (N_s / I) / n_s`` for an item of stratum
-  ``s`` (``N_s`` items in it, ``n_s`` drawn), the stratified estimator of the mean.
-- ``anchor_points``: Vivek et al. (2024), "Anchor Points: Benchmarking Models with Much Fewer
-  Examples": k-medoids (``k = n``) on the items' correctness vectors across the training models
-  (Hamming distance: the paper clusters on the correct-class probability, which a 0/1 matrix does
-  not have), k-means++ seeding; each anchor (medoid) weighted by its cluster's share of the items,
-  ``w_k = |cluster_k| / I``, so the weights sum to 1.
-- ``learned_anchors``: SparseEval-style (anchors weighted by gradient descent; METHODS.md,
-  "Evaluation subsets"): the same anchors, then nonnegative weights and an intercept fitted by
-  gradient-based optimisation (scipy's L-BFGS-B, box-constrained ``w >= 0``, analytic gradient)
-  so the weighted anchor accuracy predicts full accuracy on the training models:
-  ``min_{w>=0, b} mean_m (b + C_m[anchors] . w - a_m)^2 + ridge |w - w0|^2 / |w0|^2`` from
-  ``w0`` = the anchor-point weights. The ridge pulls toward ``w0`` because a fold has tens of
-  training models and up to hundreds of weights. SparseEval's MLP and its iterative anchor
-  refinement are not implemented: this is the linear, fixed-anchor special case.
-
-Every selector that looks at models is fitted on training models only and judged on held-out
-ones: ``repeats`` times, the models are split at random into ``folds`` folds; for each held-out
-fold every selector is fitted on the other folds' models (a fresh random draw per repeat, fold,
-method and size) and estimates the held-out models' accuracies. All models of a fold are ranked
-on the same subset, as a user of a micro-benchmark would rank them.
-
-**MDAD** (minimum detectable ability difference; Yauney, Warraich & Swayamdipta, "How Reliable is
-Language Model Micro-Benchmarking?", 2025): the smallest full-benchmark accuracy gap at which a
-subset of size ``n`` ranks a pair of models correctly with probability >= ``p``. Computed as:
-
-1. every pair ``(i, j)`` of held-out models in the same fold, in every repeat, is one outcome
-   with gap ``g = |a_i - a_j|`` (pairs with ``g = 0`` have no correct order and are left out) and
-   score ``1`` if ``sign(â_i - â_j) == sign(a_i - a_j)``, ``0.5`` if ``â_i == â_j`` (a tie is a
-   coin flip), else ``0``;
-2. outcomes are binned by ``g`` on the edges ``gap_bins`` (``[e_b, e_{b+1})``, the last bin
-   closed); walking up from the smallest gap, a bin with fewer than ``min_outcomes`` outcomes is
-   merged with the bins above it until it has enough (a short remainder at the top joins the bin
-   below), so the bins are as fine as the pairs allow; ``P_b`` = the bin's mean score;
-3. the reliable bins are those with ``P_b' >= p`` for ``b`` and every bin above it (a lucky
-   small-gap bin under an unreliable larger one does not count);
-4. MDAD = the smallest gap observed among the outcomes of the lowest reliable bin; missing (None)
-   when the top bin is not reliable or there are fewer than ``min_outcomes`` outcomes in all.
-
-Kendall's tau (tau-b) is computed per held-out fold between ``â`` and ``a`` and averaged over
-folds and repeats (a constant ``â`` ranks nothing: tau 0); MAE is ``mean |â - a|`` over every
-held-out estimate.
+Deviations: anchor points cluster on 0/1 correctness (Hamming distance), the paper on the
+correct-class probability, which a 0/1 matrix does not have; ``learned_anchors`` is SparseEval's
+linear, fixed-anchor special case (no MLP, no iterative anchor refinement), with a ridge towards the
+anchor-point weights because a fold has tens of models and up to hundreds of weights. Details
+(estimators, the MDAD binning): docs/evaluation.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Task scaling laws: (N, D) -> task loss (bpb of the gold answer) -> accuracy, chained.
 
-Bhagia et al. (2024), "Establishing Task Scaling Laws via Compute-Efficient Model Ladders" (OLMo's
-ladder), in two steps:
+Bhagia et al. (2024), "Establishing Task Scaling Laws via Compute-Efficient Model Ladders"
+(arXiv:2412.04403, OLMo's ladder), in two steps:
 
 1. per data variant, the gold answer's bits per byte as a Chinchilla law
    ``bpb(N, D) = E + A / N^alpha + B / D^beta`` (their eq. 1 on the task loss), fitted with

@@ -1,5 +1,6 @@
-"""Approach 3 of Hoffmann et al. (2022), "Training Compute-Optimal Large Language Models",
-as replicated by Epoch AI (Besiroglu et al. 2024, "Chinchilla Scaling: A replication attempt").
+"""Approach 3 of Hoffmann et al. (2022), "Training Compute-Optimal Large Language Models"
+(arXiv:2203.15556), as replicated by Epoch AI (Besiroglu, Erdil, Barnett & You 2024, "Chinchilla
+Scaling: A replication attempt").
 
 The parametric loss is ``L(N, D) = E + A / N**alpha + B / D**beta``. With ``a = log A``,
 ``b = log B``, ``e = log E`` it is fitted by minimising::

@@ -1,6 +1,8 @@
 """Compute-optimal allocation from an Approach-3 fit (Hoffmann et al. 2022, eq. 4) and
 comparisons of variants' whole scaling trajectories (QualityPajama's recommendation), with
-multiple-testing control by Holm's step-down procedure (Holm 1979).
+multiple-testing control by Holm's step-down procedure (Holm 1979, "A Simple Sequentially Rejective
+Multiple Test Procedure", Scand. J. Statist. 6(2)). Hoffmann et al. 2022: "Training Compute-Optimal
+Large Language Models", arXiv:2203.15556. No deviation beyond the fitted FLOPs-per-token law below.
 
 Compute is ``C(N, D) = f(N) D`` with ``f(N) = k N^gamma`` training FLOPs per token, fitted to the
 ladder's measured FLOPs (:func:`fit_flops_per_token`); ``k = 6, gamma = 1`` is Kaplan's / Hoffmann's

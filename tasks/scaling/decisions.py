@@ -1,35 +1,20 @@
 """Decisions on paired differences: does a series beat its reference, now and at larger compute?
 
-Every series of a ladder (a data variant, a training method, an architecture) is scored on the
-same validation documents, so the question "is v better than the reference?" is asked of the
-paired difference ``Delta = L_v - L_ref`` on the same documents, not of two separate laws
-(DataDecide, Magnusson et al. 2025: ranking at a small scale picks the better corpus more often
-than extrapolating per-corpus laws; continuous likelihoods predict best).
+Every series of a ladder (a data variant, a training method, an architecture) is scored on the same
+validation documents, so "is v better than the reference?" is asked of the paired difference
+``Delta = L_v - L_ref`` on the same documents, not of two separate laws, following DataDecide
+(Magnusson et al. 2025, "DataDecide: How to Predict Best Pretraining Data with Small Experiments",
+arXiv:2504.11393): :func:`observed_differences` at the ladder's points (a bootstrap over documents
+widened by the seed noise of a one-seed Delta; Choshen, Zhang & Andreas 2024, "A Hitchhiker's Guide
+to Scaling Law Estimation", arXiv:2410.11840, on the seed floor), :func:`decide_projected` beyond
+the ladder from the joint shared-shape fit (:mod:`tasks.scaling.joint`), each comparison called
+*better*, *worse* or *undecided* under Holm's step-down adjustment (Holm 1979, "A Simple Sequentially
+Rejective Multiple Test Procedure", Scand. J. Statist. 6(2)), and a backtest plus DataDecide's
+decision accuracy (:func:`backtest_decisions`, :func:`ranking_agreement`).
 
-* **Observed** (:func:`observed_differences`): at every ladder point both series trained
-  (``same_size``), and at every budget between each series' best run (``best``). The interval is
-  a bootstrap over documents (the same resampled documents for both series), widened by seed
-  noise: ``sigma_seed``, the spread across training seeds of a one-seed paired difference
-  ``Delta_s = L_v,s - L_ref,s`` (pooled over every point where both series trained several seeds;
-  Choshen, Zhang & Andreas 2024 put the seed floor at a few percent of the loss), enters each
-  replicate as ``N(0, sigma_seed^2 / k)`` for k seeds. Both series of a pair train from the same
-  seed (the same initialisation and the same sampling scheme), so the part of a seed's effect they
-  share cancels in Delta; the spread of one run's loss across seeds (``seed_sigma``, also
-  reported) overstates Delta's seed noise (on the demo: 0.017 against 0.011 nats).
-* **Projected** (:func:`decide_projected` with :mod:`tasks.scaling.joint`): Delta of the
-  compute-optimal losses at budgets beyond the ladder, from the joint shared-shape fit and its
-  paired bootstrap over runs.
-* Each (series, reference, budget) gets *better*, *worse* or *undecided*: Holm's step-down
-  adjustment (Holm 1979) over the comparisons of one family (target x kind x comparison), at
-  family-wise level ``1 - confidence``. Lower loss is better.
-* The **backtest** (:func:`backtest_decisions`) refits the joint law without the largest budget,
-  predicts Delta there, and says per pair whether the sign is right and the interval covers the
-  observed Delta; :func:`ranking_agreement` is DataDecide's decision accuracy: how often the
-  ranking of two series at a smaller budget matches the ranking at the largest.
-
-Windows of the validation stream cross document boundaries, so a document's first tokens are
-predicted with context from the previous one; resampling documents treats each document's summed
-loss as one unit, which ignores that weak coupling.
+Deviation: windows of the validation stream cross document boundaries, so resampling documents
+treats each document's summed loss as one unit and ignores that weak coupling. Details:
+docs/fit.md.
 """
 
 from __future__ import annotations

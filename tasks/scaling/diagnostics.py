@@ -1,7 +1,8 @@
 """Is an Approach-3 law identified? Diagnostics of a fit and its bootstrap, and a backtest.
 
-Hoffmann et al. (2022) Approach 3 fits five parameters to a few dozen runs; Epoch AI's
-replication (Besiroglu et al. 2024) showed how far the reported exponents can be from what the
+Hoffmann et al. (2022, "Training Compute-Optimal Large Language Models", arXiv:2203.15556) Approach 3
+fits five parameters to a few dozen runs; Epoch AI's replication (Besiroglu et al. 2024, "Chinchilla
+Scaling: A replication attempt") showed how far the reported exponents can be from what the
 data support. Here each law gets: which parameters sit on their box bound (point estimate and
 share of bootstrap replicates), the correlation of alpha and beta across the bootstrap (a ridge
 in the objective when |rho| is near 1), the distinct local optima the point fit's starts reached,

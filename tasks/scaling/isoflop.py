@@ -1,4 +1,5 @@
-"""Approach 2 of Hoffmann et al. (2022): IsoFLOP profiles.
+"""Approach 2 of Hoffmann et al. (2022, "Training Compute-Optimal Large Language Models",
+arXiv:2203.15556): IsoFLOP profiles. No deviation.
 
 Runs are grouped into compute levels ``C`` (measured FLOPs, or ``6 N D``); per level a parabola
 ``loss = p2 x^2 + p1 x + p0`` in ``x = log10 N`` gives ``N* = 10^(-p1 / (2 p2))``;

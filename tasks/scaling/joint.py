@@ -7,7 +7,8 @@ property of the model family and the training recipe, the intervention moves its
 an assumption QualityPajama shows can fail (interventions can move the exponents), so it is
 *tested*: :func:`nested_test` compares it with a model where one series has exponents of its own.
 
-Variable projection (Golub & Pereyra 1973): for fixed exponents the law is linear in (E, A, B), so
+Variable projection (Golub & Pereyra 1973, "The Differentiation of Pseudo-Inverses and Nonlinear
+Least Squares Problems Whose Variables Separate", SIAM J. Numer. Anal. 10(2)): for fixed exponents the law is linear in (E, A, B), so
 the non-negative least-squares solution is exact (every active set of three columns is tried) and
 only the exponents are searched, on a grid with one zoom step. That is fast enough to refit every
 bootstrap replicate (:func:`bootstrap_joint`), and it has no starting point to get wrong.

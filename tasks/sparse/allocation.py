@@ -1,6 +1,7 @@
 """How much each site is sparsified: TEAL's block-wise greedy allocation of a model-wide level.
 
-Liu et al., 2024 (TEAL), Section 4.2 and the authors' ``teal/greedyopt.py``: every transformer
+Liu, Ponnusamy, Cai, Guo, Kim & Athiwaratkun 2024, "Training-Free Activation Sparsity in Large
+Language Models" (TEAL, arXiv:2408.14690), Section 4.2 and the authors' ``teal/greedyopt.py``: every transformer
 block gets the same target level ``s``; inside a block the sites (the linear layers whose inputs are
 sparsified) start dense, and step by step the site whose next increase adds least to the block's
 output error is raised, until the block's *effective* sparsity — the sites' levels weighted by their

@@ -1,62 +1,17 @@
 """ProxyAttn: block-sparse prefill attention ranked by pooled proxy heads, with a budget per head.
 
-"ProxyAttn: Guided Sparse Attention via Representative Heads" (arXiv 2509.24745). Heads of one
-group attend to much the same tokens but differ in how spread out their attention is, so one
-pooled *proxy* head per group ranks key blocks for all of them at token-level precision, and each
-head takes as many of the top-ranked blocks as its own attention needs.
+Follows Wang, He, Bao, Wu, Wang, Zhu & Che, "ProxyAttn: Guided Sparse Attention via Representative
+Heads" (2025, arXiv:2509.24745): per query block and head group, one pooled proxy head scores every
+visible key at token level, the scores pooled into key-block mass rank the blocks for all heads of
+the group, and each head takes as many top-ranked blocks as its own attention needs; each query
+block attends causally to the sink block, its diagonal block and its chosen blocks.
 
-Per layer, prefill runs in query blocks of ``block_size`` queries; keys form blocks of
-``block_size`` positions. For the query block ``Q_i`` (positions ``[p, p + c)``) and group ``g``:
-
-1. Proxy head: ``q̄ = pool_{h∈g} q_h``, ``k̄ = pool_{h∈g} k_h`` (``pooling``: mean or elementwise
-   max over the group's ``group_size`` heads; default group = the GQA group, whose heads share one
-   key head, so ``k̄`` is that key head).
-2. Token-level proxy scores over every visible key, ``A = softmax(q̄ k̄ᵀ / √d + mask)`` (causal and
-   padding masks applied), pooled into block mass ``m_g(j) = mean_{t∈Q_i} Σ_{u∈block j} A[t, u]``.
-   The candidate blocks (neither the sink block 0 nor a diagonal block overlapping ``[p, p + c)``)
-   are ranked by ``m_g``, the same order for every head of the group.
-3. Budget per head (the rule chosen here; the paper's own rule was not at hand):
-   ``w_h(j)`` is head ``h``'s own block mass, computed as in 2 from its own ``q_h, k_h`` at the
-   block's last ``budget_queries`` queries (which see every key the block sees) —
-   ``budget_from: head``, the default — or the proxy's ``m_g`` (``budget_from: proxy``: heads of a
-   group then share one budget). With ``C_h(n) = w_h(sink ∪ diagonal) + Σ_{r≤n} w_h(r-th ranked)``,
-   head ``h`` keeps the ``n_h`` top-ranked blocks, ``n_h = min{n : C_h(n) ≥ γ}`` clamped to
-   ``[n_min, n_max]``, where the coverage ``γ`` is common to the layer's heads and is the highest the
-   layer's budget ``K`` allows (``Σ_h n_h = K``). A head whose attention is concentrated reaches
-   ``γ`` with few blocks, a spread-out head needs many: the budget goes where attention is dense.
-   Equivalently the ``K`` blocks go, one at a time, to the head whose chosen blocks so far cover
-   the least of its mass; a fixed ``γ`` would not meet a requested sparsity, a solved one does.
-4. ``K = round(H · φ · N_i)`` for ``H`` query heads and ``N_i`` candidate blocks, with
-   ``n_min = max(min_blocks, ⌊floor_ratio · φ N_i⌋)`` (every head keeps its proxy's best block(s),
-   even where its own estimate looks sharp) and ``n_max = ⌈ceiling_ratio · φ N_i⌉`` (one flat head
-   cannot take the whole layer's budget); both bounds scale with the requested sparsity. One keep
-   share ``φ`` holds for the whole forward pass, solved (:func:`candidate_keep_share`) so that the
-   pairs kept over all query blocks — sink, diagonal, and ``max(min_blocks, φ N_i)`` ranked blocks
-   per head — are ``1 - sparsity`` of the causal pairs: early query blocks, where the floor binds,
-   keep more and later ones less. The target is missed (sparsity falls short) only where sink,
-   diagonal and floor alone exceed it: short contexts, large blocks.
-5. Each query block attends (causally, masks kept) to the sink, the diagonal and its ``n_h``
-   chosen blocks, per head.
-
-Choices where the paper leaves room, each a parameter: ``pooling: mean``, ``budget_from: head`` with
-``budget_queries`` 4, ``proxy_queries`` null (every query of a block scores its proxy; an integer
-keeps the block's last ``proxy_queries``, which see every key the block sees, and divides the cost
-of scoring by ``block_size / proxy_queries``), ``min_blocks`` 1, ``floor_ratio`` 0.5,
-``ceiling_ratio`` 2, ``block_size`` 16 (params/sparse_eval.yaml sets 4 for the ladder's 128-token
-windows, where sink and diagonal blocks of 16 would already hold over a third of the causal pairs).
-Where heads of a group tie on the last block the budget allows (``budget_from: proxy``: they share
-one mass), the lower-numbered heads take it.
-
-``sparsity`` means what it means for :mod:`tasks.sparse.quoka`: the share of causal KV pairs
-skipped, counted over what ran (``achieved_sparsity()``). The patch is QuoKA's: one
-reversible ``AttentionInterface`` function (:class:`tasks.sparse.attention.AttentionSparsity`).
-
-Speed: :func:`proxyattn_blocks` scores all query blocks of a forward pass in a few batched products
-(passes of ~512 queries) and solves every block's budgets at once; the chosen blocks go to
-:func:`kernels.sparse_attention.block_sparse_attention` (a flash-style Triton kernel over the listed
-key blocks on CUDA; gathered keys into PyTorch's fused attention on CPU). Scoring is the cost a
-dense pass does not have: with every query scoring (the default) it is about a third of dense
-attention's ``q kᵀ`` and softmax for groups of 3 heads. Not the paper's own kernel.
+Deviations: the per-head budget rule is chosen here (the paper's own rule was not at hand): a
+coverage level common to a layer's heads, the highest the layer's budget allows, with a floor and a
+ceiling per head; one keep share per forward pass is solved so that ``sparsity`` (the share of causal
+(query, key) pairs skipped, as in :mod:`tasks.sparse.quoka`) is met where sink, diagonal and floor
+allow. Scoring and attention are batched PyTorch and :mod:`kernels.sparse_attention`, not the paper's
+kernels. Every choice where the paper leaves room is a config field. Details: docs/sparse.md.
 """
 
 from __future__ import annotations

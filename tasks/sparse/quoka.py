@@ -1,45 +1,18 @@
 """QuoKA: query-oriented KV selection for chunked prefill (sparse attention over the top-B keys).
 
-Prefill runs in chunks of ``chunk_size`` queries, as chunked prefill does: a chunk's own keys
-(the diagonal block, causal) are always attended, and QuoKA subselects the keys of the earlier
-chunks (the KV cache). Within each chunk, per attention head, the ``n_queries`` queries least
-similar (cosine) to the chunk's mean query are kept as probes — the queries the mean represents
-worst, which the paper argues carry the chunk's distinct needs. Every earlier key is scored by its
-cosine similarity to the probes (queries and keys as attention sees them, after RoPE); the scores
-are aggregated over the probes (``aggregate``: max or mean) and over the query heads of its GQA
-group, and the chunk attends to the top ``B`` of them plus its own keys. The first key is always
-among the ``B`` (an attention sink).
+Follows Jones, Park, Morse, Lee, Lott & Langston, "QuoKA: Query-oriented KV selection for Efficient
+LLM Prefill" (2026, arXiv:2602.08722): prefill runs in chunks of ``chunk_size`` queries; per chunk and
+head, the ``n_queries`` queries least similar (cosine) to the chunk's mean query are kept as probes,
+every earlier key is scored by its cosine similarity to them (aggregated over probes and over the
+query heads of its GQA group), and the chunk attends to the top ``B`` earlier keys (the first key
+always among them, an attention sink) plus its own keys, causally.
 
-Keeping the diagonal is not optional: with one key set shared by the whole chunk and the causal
-mask applied to it, a selection over every visible key (this module's first version) left a query
-without its own key or its neighbours whenever they scored low — on SmolLM2-135M with 1024-token
-windows and chunks of 128, 20% of queries at a 50% budget and 68% at 12% could not see themselves,
-and perplexity rose +42% at sparsity 0.5 and +990% at 0.88 (ProxyAttn: +0.3%, +28%); keeping the
-diagonal, +1.1% and +19% (0.86 achieved; chunks of 32 reach 0.88: +14%). Scoring un-RoPE'd queries
-and keys, one key set per query head, or dot products instead of cosines (checked on every third
-layer of one window) changed the dense attention mass kept by at most 3 points, and none lowered
-the relative error of the attention output by more than 0.001.
-
-Implemented as an attention function registered with ``transformers``' ``AttentionInterface``:
-entering the handle sets ``config._attn_implementation`` to it for any Llama-family model (the
-ladder's and SmolLM2-135M), leaving restores the previous implementation — one reversible patch.
-
-``sparsity`` is the share of KV pairs skipped: of the (query, key) pairs the causal mask allows,
-the fraction not attended; ``achieved_sparsity()`` counts them over what ran. One keep share ``φ``
-of the earlier keys holds for a forward pass, ``B_i = max(min_keys, round(φ · earlier keys))``,
-solved (:func:`earlier_keep_share`) so that the pairs kept — diagonal blocks included — are
-``1 - sparsity`` of the causal pairs. The target is missed (sparsity falls short) only where the
-diagonal blocks and ``min_keys`` alone exceed it: the first chunk of a window is dense, and with
-chunks of 128 on 1024-token windows the diagonal alone holds 12.6% of the pairs.
-
-Documented choices where the paper leaves room, each a parameter: ``chunk_size`` 32 (the ladder's
-contexts are 64–128 tokens; 512–2048 on SmolLM2-scale contexts), ``n_queries`` 4, ``aggregate: max``,
-``min_keys`` 8 (earlier keys kept at least, sink included).
-
-Speed: the keys are chosen chunk by chunk (every key normalised once per forward), then
-:func:`kernels.sparse_attention.gathered_attention` attends each run of chunks to its lists in one
-call — a flash-style Triton kernel on CUDA, batched gathers into PyTorch's fused attention on CPU
-(``benchmarks/sparse_speed.py`` times it against dense attention). Not the paper's own kernels.
+Deviations: the chunk's own keys (the diagonal block) are always attended, because one key set per
+chunk under the causal mask otherwise leaves queries unable to see themselves; one keep share of
+the earlier keys per forward pass is solved so that ``sparsity`` (the share of causal (query, key)
+pairs skipped) is met where the diagonal and ``min_keys`` allow. Implemented as one reversible
+``AttentionInterface`` patch (:class:`tasks.sparse.attention.AttentionSparsity`) with
+:mod:`kernels.sparse_attention`, not the paper's kernels. Measurements: docs/sparse.md.
 """
 
 from __future__ import annotations

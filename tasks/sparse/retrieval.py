@@ -1,34 +1,16 @@
 """Needle-in-a-haystack retrieval: does a model still find one fact in a long context under sparsity?
 
-An item is a haystack of held-out text exactly ``context_tokens`` tokens long (prompt included)
-with one needle, ``"The secret code of <name> is <5-digit number>."``, inserted at a relative
-``depth`` of the haystack (snapped to the nearest sentence end within ``snap_tokens``), and a
-question at the end whose answer the model completes::
+The needle-in-a-haystack test (Kamradt 2023, github.com/gkamradt/LLMTest_NeedleInAHaystack): a
+haystack of held-out text exactly ``context_tokens`` long with one needle, ``"The secret code of
+<name> is <5-digit number>."``, at a relative ``depth``, and a question the model completes.
 
-    <filler ...> The secret code of Maria is 48213. <... filler>
-
-    What is the secret code of Maria? The secret code of Maria is
-
-Scoring ranks the true number against ``n_distractors`` other 5-digit numbers by the
-log-likelihood of each as the continuation, ``log p(" 48213." | prompt)`` summed over its tokens,
-and counts an item correct when the true number ranks first (chance: ``1 / (n_distractors + 1)``).
-The choice over greedy generation: one prefill and one batched pass over the candidates per item
-instead of a decoding loop, and no parsing of free text — on CPU a 2k-token item costs one
-forward pass. It asks less than exact generation (the model need only prefer the true number among
-ten), so accuracies here read higher than generation-based NIAH scores at equal recall.
-
-Sparse methods enter through their handle (:func:`tasks.sparse.registry.sparsify`). The prompt is
-prefilled under the handle; the candidates are scored from the prefilled KV cache, under the
-handle for activation sparsity (TEAL, WINA: a decode-time method) and with exact attention for
-sparse-prefill methods (QuoKA, ProxyAttn: :class:`~tasks.sparse.attention.AttentionSparsity`), whose
-papers decode densely — so what is measured is how much the sparse prefill lost of the needle.
-
-Example::
-
-    items = build_retrieval_set(tok, held_out_texts, RetrievalConfig(lengths=(1024,), depths=(0.5,)))
-    dense = score_retrieval(model, items)
-    quoka = score_retrieval(model, items, handle=sparsify(model, QuokaConfig(), sparsity=0.88))
-    retrieval_accuracy(dense), retrieval_accuracy(quoka, by="depth")
+Deviation: scoring ranks the true number against ``n_distractors`` other numbers by log-likelihood
+instead of parsing greedy generation (one prefill and one batched pass per item, no free-text
+parsing), which asks less than exact generation, so accuracies read higher than generation-based
+NIAH scores at equal recall. The prompt is prefilled under the sparse handle; the candidates are
+scored from its KV cache under the handle for activation sparsity (TEAL, WINA) and with exact
+attention for sparse-prefill methods (QuoKA, ProxyAttn), whose papers decode densely. Details and an
+example: docs/sparse.md.
 """
 
 from __future__ import annotations
@@ -111,7 +93,7 @@ def build_retrieval_set(tok: Any, texts: Sequence[str], cfg: RetrievalConfig) ->
     """Items for every (length, depth) of ``cfg``, ``items_per_depth`` each, a function of ``cfg.seed``.
 
     ``tok``: a tokenizer with ``encode(text, add_special_tokens=False)`` and ``decode_batch``
-    (:class:`tasks.evaluation.downstream.TokenizerAdapter`). ``texts``: held-out documents, joined
+    (:class:`tasks.evaluation.tokenizer.TokenizerAdapter`). ``texts``: held-out documents, joined
     with blank lines into one filler stream from which each item takes a random span. Raises
     ``ValueError`` when the texts are shorter than the longest haystack."""
     rng = np.random.default_rng(cfg.seed)

@@ -1,33 +1,17 @@
 """WINA's orthogonalising transform: rotate a Llama-family model so chosen weights have orthogonal columns.
 
-WINA keeps input channel ``i`` of ``y = W x`` by ``|x_i| · ‖W[:, i]‖₂``; when ``W``'s columns are
-orthogonal, ``‖W x − W x_kept‖² = Σ_dropped x_i² ‖W[:, i]‖²`` and that choice is the best ``k`` of
-the token exactly. The paper (Chen et al. 2025, §3.3) and its public code (microsoft/wina,
-``utils/tensor_transform.py``) make this hold for one matrix per sub-block by computational
-invariance, as SliceGPT does:
+WINA (Chen, Zhao, Ko, Banbury, Zhuang, Liang & Chen 2025, "WINA: Weight Informed Neuron Activation for
+Accelerating Large Language Model Inference", arXiv:2505.19427, §3.3; code microsoft/wina,
+``utils/tensor_transform.py``) keeps input channel ``i`` by ``|x_i| · ‖W[:, i]‖₂``, which is the best
+``k`` channels exactly when ``W``'s columns are orthogonal. As SliceGPT does (Ashkboos et al. 2024,
+"SliceGPT: Compress Large Language Models by Deleting Rows and Columns", arXiv:2401.15024), RMSNorm
+gains are folded into the linears they feed and the residual stream is rotated per block by the right
+singular vectors of ``k_proj`` (before attention) and ``gate_proj`` (before the MLP), with the
+shortcuts changing basis between the two; the rotated model computes the same function.
 
-1. fold every RMSNorm's gain into the linears it feeds (``W ← W diag(γ)``, ``γ ← 1``), so the
-   normalisation commutes with any orthogonal ``Q``: ``RMSNorm(x Q) = RMSNorm(x) Q``;
-2. per block, rotate the residual stream entering attention by ``Q_a``, the right singular vectors
-   of the (folded) ``k_proj`` weight, and the stream entering the MLP by ``Q_m``, those of
-   ``gate_proj``: readers of a stream get ``W ← W Q``, writers ``W ← Qᵀ W``, the embedding
-   ``E ← E Q_a(0)`` and the head ``W ← W Q`` of the last stream. ``k_proj Q_a = U Σ`` and
-   ``gate_proj Q_m = U Σ`` then have orthogonal columns;
-3. the residual connections change basis between the two: the attention shortcut carries
-   ``x Q_aᵀ Q_m``, the MLP shortcut ``x Q_mᵀ Q_a(next)`` (the last block keeps ``Q_m``). The
-   decoder layers run a forward that applies these (Llama's, which the whole family shares:
-   pre-norm attention and MLP with residual adds).
-
-The rotated model computes the same function (up to float rounding). Which matrices are made
-orthogonal follows the authors' code (``k_proj`` and ``gate_proj``, the sites whose column norms
-that code uses); q, v, up share those inputs and o, down are only rotated. The code's LayerNorm
-mean-baking is left out: Llama's RMSNorm has no mean to bake, and centring the embeddings would
-change an RMSNorm model's function.
-
-:class:`OrthogonalRotation` is reversible: the rotated weights are computed once, swapped in by
-:meth:`~OrthogonalRotation.apply` (with the layers' shortcut forwards) and swapped out by
-:meth:`~OrthogonalRotation.revert`, which restores the original parameter objects (a tied
-embedding and head are untied only while applied). It is a context manager.
+Deviation: the authors' LayerNorm mean-baking is left out (Llama's RMSNorm has no mean to bake, and
+centring the embeddings would change an RMSNorm model's function). :class:`OrthogonalRotation` is
+reversible (a context manager restoring the original parameter objects). Details: docs/sparse.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """TEAL: training-free activation sparsity by magnitude, before the linear layers of the MLP.
 
-Liu et al., 2024, "Training-Free Activation Sparsity in Large Language Models" (TEAL). The input
+Liu, Ponnusamy, Cai, Guo, Kim & Athiwaratkun 2024, "Training-Free Activation Sparsity in Large Language
+Models" (TEAL, arXiv:2408.14690). The input
 ``x`` of a linear layer is sparsified as ``s_t(x)_i = x_i * 1[|x_i| >= t]`` so the product
 ``W s_t(x)`` reads only the weight columns of surviving channels (:mod:`kernels.sparse_gemv`).
 Two ways of choosing what survives:

@@ -1,31 +1,18 @@
 """WINA: weight-informed neuron activation, training-free activation sparsity.
 
-Chen et al., 2025, "WINA: Weight Informed Neuron Activation for Accelerating Large Language Model
-Inference" (public code: microsoft/wina). For a linear layer ``y = W x``, input channel ``i`` is
-kept when its score ``|x_i| · ‖W[:, i]‖₂`` — the activation's magnitude times the norm of the
-weight column it multiplies — is among the ``k = d · (1 − s)`` largest of the token. With
-orthogonal columns this choice minimises ``‖W x − W s(x)‖`` exactly (the error is
-``Σ_dropped x_i² ‖W[:, i]‖²``), which plain magnitude (TEAL) does not.
+Follows Chen, Zhao, Ko, Banbury, Zhuang, Liang & Chen 2025, "WINA: Weight Informed Neuron Activation
+for Accelerating Large Language Model Inference" (arXiv:2505.19427; code microsoft/wina): input
+channel ``i`` of ``y = W x`` is kept when ``|x_i| · ‖W[:, i]‖₂`` is among the ``k = d · (1 − s)``
+largest of the token, which minimises ``‖W x − W s(x)‖`` exactly when ``W``'s columns are orthogonal.
+Everything else is TEAL's (:mod:`tasks.sparse.teal`): sites by glob, ``mode: topk | threshold``,
+``allocation: uniform | greedy``.
 
-Everything else is TEAL's (:mod:`tasks.sparse.teal`): sites by glob on the linear layers' names,
-``mode: topk`` (exact per token) or ``mode: threshold`` (per-site thresholds on the score,
-calibrated as quantiles), ``allocation: uniform | greedy`` (TEAL's block-wise greedy allocation
-to the model-wide level, which the paper adopts).
-
-``norms`` chooses where the column norms enter:
-
-* ``all`` (default, the paper): every site — q, k, v, o, gate, up and down projections;
-* ``gate_k`` (the authors' public code): only ``gate_proj`` and ``k_proj`` use column norms, the
-  other sites use ``|x_i|`` alone, i.e. TEAL.
-
-``transform: true`` first applies the paper's orthogonalising transform
-(:mod:`tasks.sparse.rotation`): RMSNorm gains folded into the linears and the residual stream
-rotated per block so that ``k_proj`` and ``gate_proj`` have orthogonal columns, where the
-criterion is exactly optimal; the rotation is part of the handle (applied on entry, reverted on
-exit) and the calibration (thresholds, greedy allocation) runs on the rotated model. It is off by
-default so ``wina`` alone is the criterion on the model's own weights; the authors' WINA scripts
-run with it on (``transform: true, norms: gate_k``). The authors' code also never sparsifies the
-first 1% of positions; here every position is treated alike, as in the paper's equations.
+Deviations, each a config field: ``norms: all`` (the paper: every site uses column norms) or
+``gate_k`` (the authors' code: only ``gate_proj`` and ``k_proj``); ``transform`` (the paper's
+orthogonalising rotation, :mod:`tasks.sparse.rotation`) is off by default so ``wina`` alone is the
+criterion on the model's own weights, where the authors' scripts turn it on. The authors' code never
+sparsifies the first 1% of positions; here every position is treated alike, as in the paper's
+equations. Details: docs/sparse.md.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def smollm2_stand_in(tmp_path, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tasks.common import models
-    from tasks.evaluation.downstream import TokenizerAdapter
+    from tasks.evaluation.tokenizer import TokenizerAdapter
     from tasks.training.tokenizer import eos_id, train_tokenizer
 
     rng = random.Random(0)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _tiny_target(folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from tasks.evaluation.downstream import load_requests
+    from tasks.evaluation.requests import load_requests
     from tasks.training.tokenizer import EOS, train_tokenizer
 
     texts = [s for t in ("arc_easy", "sciq") for it in load_requests(t, limit=100).items

@@ -12,7 +12,7 @@ import torch
 
 from tasks.common.config import ConfigError
 from tasks.common.params import load_stage_config
-from tasks.evaluation.downstream import encode_items, load_requests
+from tasks.evaluation.requests import encode_items, load_requests
 from tasks.selection.config import OlmoEvalSetting, PoolVariant, SelectConfig, parse_pool_variant
 from tasks.selection.finetune import _answer_loss
 from tasks.selection.olmo_eval import (
@@ -137,7 +137,7 @@ def test_gold_rows_mark_the_gold_continuation(tiny):
     assert any(len(e.ctxs[e.item.gold]) < len(tok.encode(e.item.contexts[e.item.gold], add_special_tokens=False))
                for e in enc)  # some context was cut
     # the loss is the scorer's: minus the gold log-likelihood per continuation token
-    from tasks.evaluation.downstream import ScoringConfig, score_encoded
+    from tasks.evaluation.scoring import ScoringConfig, score_encoded
 
     ll = score_encoded(model, enc, ScoringConfig(progress=0), pad_token_id=tok.pad_token_id)
     n_tok = sum(len(e.conts[e.item.gold]) for e in enc)
