@@ -1,6 +1,6 @@
 """`scalelab curate` counting tokens with a BPE tokenizer (before) against counting words (after).
 
-Run: nice -n 5 .venv/bin/python benchmarks/curate_token_count.py [--docs 10000] [--repeats 3]
+Run: nice -n 5 .venv/bin/python benchmarks/curate_token_count.py [--docs 5000] [--repeats 3]
      [--vocab 512] [--workers 2]
 
 Issue 35: `scalelab curate` used to count the stats' tokens with whatever tokenizer lay in the
@@ -56,7 +56,7 @@ def run_curate(corpus: Path, out: Path, counter: str, workers: int) -> tuple[flo
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--docs", type=int, default=10_000, help="documents to generate (about 2 KB each)")
+    ap.add_argument("--docs", type=int, default=5_000, help="documents to generate (about 2 KB each)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=512, help="BPE symbols of the 'before' tokenizer (the demo's: 512)")
     ap.add_argument("--workers", type=int, default=2)

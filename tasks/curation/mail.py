@@ -18,7 +18,7 @@ What goes, in order (each part can be switched off in :class:`EmailBodyConfig`):
 * MIME: when the headers declare a multipart or encoded body, the body is the message's decoded
   ``text/plain`` parts (the standard library's parser); a message with none (HTML only, say) is
   dropped as ``email_body.no_plain_text``.
-* quoted replies: lines starting with ``>`` and the attribution line before them (``On <date>,
+* quoted replies: lines starting with ``>`` (or Supercite's ``Name>``) and the attribution line before them (``On <date>,
   <name> wrote:``, also folded over two lines, or ``<name> wrote:`` right before a quote);
 * forwarded and original-message blocks: from a ``---- Forwarded message ----``, ``-----Original
   Message-----`` or ``Begin forwarded message:`` line to the end;
@@ -55,7 +55,8 @@ MAIL_FIELDS = frozenset({
     "from", "to", "cc", "bcc", "subject", "date", "received", "message-id", "return-path", "delivered-to",
     "reply-to", "sender", "in-reply-to", "references", "mime-version", "content-type", "x-mailer",
 })
-_QUOTE = re.compile(r"\s*>")
+# ">" quoting, and Supercite's "Name>" (Emacs mail readers)
+_QUOTE = re.compile(r"\s*(?:>|[A-Za-z][\w.-]{0,9}>(?:\s|$))")
 _ATTRIBUTION = re.compile(r"\s*On\b.{0,300}\b(?:wrote|writes):\s*$", re.IGNORECASE)
 _WROTE = re.compile(r".{0,200}\b(?:wrote|writes):\s*$", re.IGNORECASE)
 _FORWARD = re.compile(

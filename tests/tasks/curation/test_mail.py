@@ -129,6 +129,12 @@ def test_each_part_can_be_kept():
     assert "Austin, TX" in body and "mailing list" not in body and counts["footer_lines"] == 3
 
 
+def test_supercite_quotes_go_and_comparisons_stay():
+    body, _, counts = clean_email("Greg> It just requires this\n    Greg>   package_dir = {}\n\n"
+                                  "That has a side effect.\nif x>0 and y>1: keep this line")
+    assert body == "That has a side effect.\nif x>0 and y>1: keep this line" and counts["quote_lines"] == 2
+
+
 def test_forwarded_and_original_message_blocks_are_cut():
     body, _, counts = clean_email(OUTLOOK_FORWARD)
     assert body == "Numbers for the meeting are below."  # "Dan wrote:" before a quote goes too
