@@ -3,6 +3,7 @@
     scalelab run all --preset ci            # the whole pipeline
     scalelab run train                      # one stage (what dvc.yaml calls)
     scalelab curate --input docs.jsonl --out out/ --recipe dedup_gopher_c4
+    scalelab curate --input mail/*.json --text-field body --out out/ --recipe email_dedup_gopher
     scalelab curate --input new/*.jsonl --out out2/ --recipe dedup_gopher_c4 --index idx/ --index-update
     scalelab fit --points points.csv --out fits/
     scalelab validate [--preset demo]       # pre-registered Delta beyond the ladder, then trained and scored
@@ -85,7 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skip the few timed optimizer steps (no time estimate)")
 
     cur = sub.add_parser("curate", help="curate any JSONL/Parquet corpus with a named recipe")
-    cur.add_argument("--input", required=True, nargs="+", type=Path, help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file(s) or globs with a `text` column")
+    cur.add_argument("--input", nargs="+", type=Path, help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst, .json) or Parquet "
+                     "file(s) or globs (default: the sources of prepare.sources in the params)")
+    cur.add_argument("--text-field", default="text", help="the key (column) holding each record's text; a dotted "
+                     "path reaches into nested records, e.g. payload.body (default: text)")
+    cur.add_argument("--id-field", default="id", help="the key holding each record's id, or a dotted path; "
+                     "null numbers the records <source>:<file>:<line> (default: id, used when present)")
+    cur.add_argument("--token-count", metavar="COUNTER", help="what counts the stats' tokens: words, or "
+                     "tokenizer:PATH for a tokenizers JSON file (default: curation.token_count, words)")
     cur.add_argument("--out", required=True, type=Path)
     cur.add_argument("--recipe", required=True, help="a variant name from the recipe file")
     cur.add_argument("--recipe-file", type=Path, help="YAML with a `curation:` section (default: params/curation.yaml)")
@@ -353,9 +361,13 @@ def _curate(args: argparse.Namespace, root: Path) -> int:
     stats = curate_any(
         inputs=args.input, out=args.out, recipe=args.recipe, recipe_file=args.recipe_file,
         root=root, preset=args.preset, workers=args.workers, runner=args.runner, rewrite=rewrite,
-        index=args.index, index_update=args.index_update,
+        index=args.index, index_update=args.index_update, text_field=args.text_field,
+        id_field=None if args.id_field == "null" else args.id_field, token_count=args.token_count,
     )
-    print(f"kept {stats.get('docs_kept')} of {stats.get('docs_in')} documents -> {args.out}")
+    if not (root / "params").is_dir():
+        print(f"params: {stats['params']} (the packaged defaults: no params/ in {root})")
+    print(f"kept {stats.get('docs_kept')} of {stats.get('docs_in')} documents "
+          f"({stats.get('tokens_kept')} of {stats.get('tokens_in')} tokens by {stats.get('token_count')}) -> {args.out}")
     if "index" in stats:
         ix = stats["index"]
         dup = sum(s.get("duplicates_of_index", 0) for s in stats.get("steps", []))

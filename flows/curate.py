@@ -35,8 +35,11 @@ from tasks.common.config import ConfigError, from_mapping, load_yaml
 from tasks.common.io import atomic_dir, write_json, write_parquet
 from tasks.common.lineage import data_ref, log_datasets
 from tasks.curation.decontam import ValDecontaminator
+from tasks.curation.crawl import token_counter
+from tasks.curation.prepare import PrepareConfig, SourceSpec
 from tasks.curation.recipes import CurationConfig, FilterCache, Recipe
 from tasks.curation.rewrite import DocumentRewriter
+from tasks.curation.text import TokenCount, whitespace_words
 
 if TYPE_CHECKING:
     from tasks.curation.dedup import DedupIndex
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
 #: The sharded engine's input counters (records read, quarantined) are checked, not reported:
 #: prepare already quarantined the corpus's bad records.
 VARIANT_STATS = ("docs_in", "docs_kept", "docs_dropped", "words_in", "words_kept", "tokens_in", "tokens_kept",
-                 "docs_rewritten", "dropped_by_reason", "steps")
+                 "token_count", "docs_rewritten", "dropped_by_reason", "steps")
 
 
 def prepared_train_files(prepared: Path) -> list[Path]:
@@ -123,16 +126,17 @@ def curation_executor(ctx: Context, n_workers: int) -> Iterator[Executor | None]
 def curate_variant(train_files: Sequence[Path], folder: Path, recipe: Recipe, cfg: CurationConfig, *,
                    executor: Executor | None = None, rewriter: DocumentRewriter | None = None,
                    filter_cache: FilterCache | None = None, decontaminate: ValDecontaminator | None = None,
-                   index: DedupIndex | None = None) -> dict:
+                   index: DedupIndex | None = None, token_count: TokenCount = whitespace_words) -> dict:
     """One variant of the prepared train split through the sharded engine into ``folder``:
     ``kept.parquet``, ``dropped.parquet`` and ``stats.json`` (:data:`VARIANT_STATS`), the same
     as :func:`tasks.curation.recipes.run_recipe` gives on the split read whole. The engine's
-    parts and its (empty) quarantine are removed. Returns the stats."""
+    parts and its (empty) quarantine are removed. Returns the stats. ``token_count``: what the
+    ``tokens_*`` counts (``curation.token_count``)."""
     from tasks.curation.sharded import curate_corpus
 
     stats = curate_corpus(train_files, folder, recipe, n_workers=cfg.n_workers, shard_docs=cfg.shard_docs,
                           executor=executor, rewriter=rewriter, index=index, decontaminate=decontaminate,
-                          filter_cache=filter_cache)
+                          filter_cache=filter_cache, token_count=token_count)
     if stats["quarantined"]:
         raise ValueError(f"{train_files[0].parent}: {stats['quarantined']} prepared train records are not usable "
                          f"documents ({stats['quarantined_by_reason']}); rerun `scalelab run prepare`")
@@ -165,6 +169,9 @@ def curate_flow(
             previous = pl.read_parquet(cache_dir / "rewrites.parquet") if (cache_dir / "rewrites.parquet").exists() else None
             rewriter = DocumentRewriter.from_config(cfg.rewrite, previous=previous)
         filter_cache = FilterCache()  # variants sharing a filter judge each text once
+        # curate runs before train trains the pipeline's tokenizer: its counts are words unless
+        # curation.token_count names a tokenizer file (relative to the project root)
+        token_count = token_counter(cfg.token_count, ctx.root)
         ids = pl.concat([pl.read_parquet(f, columns=["id"]) for f in train_files])
         index = read_dedup_index(cfg, ids, ctx.root)
         deco = None
@@ -178,7 +185,7 @@ def curate_flow(
                     try:
                         stats = curate_variant(train_files, out / variant, recipe, cfg, executor=executor,
                                                rewriter=rewriter, filter_cache=filter_cache, decontaminate=deco,
-                                               index=index)
+                                               index=index, token_count=token_count)
                     finally:
                         if rewriter is not None:  # keep finished generations even if the step failed
                             write_parquet(cache_dir / "rewrites.parquet", rewriter.results)
@@ -199,10 +206,13 @@ def curate_flow(
 
 
 def load_recipe(recipe: str, recipe_file: Path | None, root: Path, preset: str | None):
-    """A named recipe from ``recipe_file`` (a YAML with a ``curation:`` section) or params/curation.yaml."""
+    """A named recipe from ``recipe_file`` (a YAML with a ``curation:`` section) or params/curation.yaml
+    of ``root`` (:func:`tasks.common.params.params_root`: the packaged defaults when ``root`` has no
+    params/)."""
     if recipe_file is None:
-        from tasks.common.params import default_preset, load_stage_config
+        from tasks.common.params import default_preset, load_stage_config, params_root
 
+        root = params_root(root)
         cfg = load_stage_config(CurationConfig, root, "curation", preset or default_preset(root))
         source = str(root / "params" / "curation.yaml")
     else:
@@ -218,12 +228,29 @@ def load_recipe(recipe: str, recipe_file: Path | None, root: Path, preset: str |
     return cfg, cfg.variants[recipe]
 
 
+def params_sources(root: Path, preset: str | None) -> tuple[SourceSpec, ...]:
+    """``prepare.sources`` of ``root``'s params (or the packaged defaults'): what ``scalelab curate``
+    reads without ``--input``, through the same specs and adapters as the prepare stage (files as
+    the stage reads them, from the current folder; no per-source cap or validation split)."""
+    from tasks.common.params import default_preset, load_stage_config, params_root
+
+    root = params_root(root)
+    return load_stage_config(PrepareConfig, root, "prepare", preset or default_preset(root)).sources
+
+
 def curate_any(
-    *, inputs: list[Path], out: Path, recipe: str, recipe_file: Path | None, root: Path,
+    *, inputs: list[Path] | None, out: Path, recipe: str, recipe_file: Path | None, root: Path,
     preset: str | None = None, workers: int = 2, runner: str = "local",
     rewrite: dict | None = None, generator=None, index: Path | None = None, index_update: bool | None = None,
+    text_field: str = "text", id_field: str | None = "id", token_count: str | None = None,
 ) -> dict:
     """``scalelab curate``: one recipe over any JSONL/Parquet corpus, sharded and resumable.
+
+    ``inputs``: files and globs whose records hold their text and id under ``text_field`` and
+    ``id_field`` (keys or dotted paths); None = the sources of ``prepare.sources``
+    (:func:`params_sources`), so the pipeline's sources curate here too. Params come from
+    ``root/params``, or the packaged defaults when ``root`` has none
+    (:func:`tasks.common.params.params_root`; the result's ``params`` says which).
 
     ``out`` has one writer at a time (:func:`tasks.common.lock.workdir_lock`); temporaries a killed
     run left there are removed first, and its finished shards are reused.
@@ -235,9 +262,13 @@ def curate_any(
     under their generator key. While documents are left to rewrite (budget or
     ``max_docs_per_run`` spent), the rewrite segment and the ones after it are reopened, so the
     next run resumes generating instead of reusing a half-done step; ``run.rewrite_pending`` in
-    the result counts them. Token statistics (and mix ratios) use the pipeline's BPE tokenizer when
-    ``root/data/tokenizer/tokenizer.json`` exists, else whitespace words; ``token_count`` in the
-    result says which.
+    the result counts them.
+
+    Token statistics (and mix ratios) are counted by ``token_count`` (``--token-count``: ``words``
+    or ``tokenizer:<path>``, a relative path from the current folder), else by
+    ``curation.token_count`` of the recipe file or params (a relative path from their project
+    root); by default whitespace words, which cost little and need no tokenizer. ``stats.json``'s
+    ``token_count`` names the counter.
 
     Dedup against an earlier corpus: ``index`` (``--index DIR``, else ``curation.index.path`` of
     the recipe file) is a folder written by an earlier run with ``index_update``
@@ -254,11 +285,12 @@ def curate_any(
     from tasks.common.io import clean_temporaries
     from tasks.common.lock import workdir_lock
     from tasks.common.io import read_json
-    from tasks.curation.crawl import token_counter
+    from tasks.common.params import params_root
     from tasks.curation.rewrite import generator_key
     from tasks.curation.sharded import check_inputs, curate_corpus
 
     cfg, chosen = load_recipe(recipe, recipe_file, root, preset)
+    used_root = params_root(root)
     gen_cfg = None
     if chosen.needs_rewriter:  # build (and validate) the generator config before touching `out`
         try:
@@ -274,13 +306,19 @@ def curate_any(
         except ValueError as exc:
             raise ConfigError(f"--index-update: {exc} (give --index DIR)") from None
     dedup_index, index_cfg = _open_index(idx_cfg, chosen)
-    check_inputs(inputs)  # before the lock creates `out`: refused input leaves nothing behind
+    try:
+        counter = (token_counter(token_count, Path.cwd()) if token_count is not None
+                   else token_counter(cfg.token_count, used_root))
+    except (ValueError, FileNotFoundError) as exc:
+        where = "--token-count" if token_count is not None else f"{recipe_file or used_root / 'params' / 'curation.yaml'}: curation.token_count"
+        raise ConfigError(f"{where}: {str(exc).removeprefix('token_count: ')}") from None
+    sources = check_inputs(params_sources(root, preset) if inputs is None else inputs, text_field=text_field,
+                           id_field=id_field)  # before the lock creates `out`: refused input leaves nothing behind
     executor = None
     if runner == "ray":
         from flows.ray_executor import RayExecutor
 
         executor = RayExecutor()
-    token_count = token_counter(root / "data" / "tokenizer" / "tokenizer.json")
     with workdir_lock(out) as lock:
         if lock.fresh:
             clean_temporaries(out)
@@ -297,8 +335,8 @@ def curate_any(
                 reopen_rewrite_segments(out / ".shards")
             write_json(used, keys)
         try:
-            stats = curate_corpus(inputs, out, chosen, n_workers=workers, shard_docs=cfg.shard_docs,
-                                  executor=executor, rewriter=rewriter, token_count=token_count,
+            stats = curate_corpus(sources, out, chosen, n_workers=workers, shard_docs=cfg.shard_docs,
+                                  executor=executor, rewriter=rewriter, token_count=counter,
                                   index=dedup_index)
         finally:
             if rewriter is not None:  # keep finished generations even if a step failed
@@ -306,13 +344,13 @@ def curate_any(
         if idx_cfg.path is not None:
             stats["index"] = {"path": idx_cfg.path, "docs_before": len(dedup_index), "docs_added": 0}
             if idx_cfg.update:
-                stats["index"] |= _extend_index(dedup_index, index_cfg, Path(idx_cfg.path), out, inputs,
+                stats["index"] |= _extend_index(dedup_index, index_cfg, Path(idx_cfg.path), out, sources,
                                                 workers=workers, executor=executor)
         pending = sum(s.get("rewrite_pending", 0) for s in stats.get("steps", []) if s.get("step") == "rewrite")
         if pending:
             reopen_rewrite_segments(out / ".shards")
         stats["run"]["rewrite_pending"] = pending
-        stats["token_count"] = getattr(token_count, "path", None) or "whitespace_words"
+        stats["params"] = str(used_root / "params") if recipe_file is None or inputs is None else str(recipe_file)
         return stats
 
 
@@ -339,7 +377,7 @@ def _open_index(idx_cfg, recipe):
     return index, index_cfg
 
 
-def _extend_index(index, index_cfg, folder: Path, out: Path, inputs: list[Path], *, workers: int,
+def _extend_index(index, index_cfg, folder: Path, out: Path, inputs: Sequence[SourceSpec], *, workers: int,
                   executor) -> dict:
     """Add ``out/kept.parquet``'s documents to ``index`` and write it to ``folder`` whole."""
     import multiprocessing
@@ -361,7 +399,8 @@ def _extend_index(index, index_cfg, folder: Path, out: Path, inputs: list[Path],
             own_pool.shutdown()
     grown = index.extended(exact=added.exact, minhash_ids=added.minhash_ids, minhash_sig=added.minhash_sig,
                            cfg=index_cfg)
-    grown.history.append({"out": str(out), "inputs": [str(p) for p in inputs], "docs_added": kept.height,
+    grown.history.append({"out": str(out), "inputs": [str(p) for s in inputs for p in (s.files or (s.kind,))],
+                          "docs_added": kept.height,
                           "at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
     with atomic_dir(folder) as tmp:
         save_index(grown, tmp)

@@ -25,8 +25,21 @@ PRESETS = ("ci", "demo", "full")
 STAGES = ("pipeline", "prepare", "curation", "training", "compression", "pruning", "sparse_eval", "fit", "select")
 
 
+#: A project root inside the package whose ``params/`` is the repository's (a link in the source
+#: tree; a wheel build copies the files, as pyproject.toml's package-data says), so commands that
+#: need only defaults (``scalelab curate``) run from any folder.
+PACKAGED_ROOT = Path(__file__).resolve().parent / "default_root"
+
+
 def params_dir(root: str | Path) -> Path:
     return Path(root) / "params"
+
+
+def params_root(root: str | Path) -> Path:
+    """``root`` when it holds ``params/pipeline.yaml``, else :data:`PACKAGED_ROOT` (the defaults
+    shipped with scalelab)."""
+    root = Path(root)
+    return root if (params_dir(root) / "pipeline.yaml").is_file() else PACKAGED_ROOT
 
 
 def stage_section(root: str | Path, stage: str, preset: str) -> tuple[dict[str, Any], str, dict[str, int]]:

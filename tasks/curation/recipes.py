@@ -7,6 +7,8 @@ A :class:`Recipe` is a tuple of :class:`Step` s, each exactly one of
 * any filter in ``tasks.curation.filters.FILTERS`` (``gopher_quality: {}``, ``c4_quality: {...}``, ...);
 * a crawl filter in ``tasks.curation.crawl.CRAWL_FILTERS`` (``language_id: {languages: [en]}``,
   ``pii: {}``, ``url_filter: {blocklist_file: ...}``);
+* ``email_body: {keep_subject: false, ...}`` — e-mail headers, quoted replies, forwarded blocks,
+  signatures and list footers stripped (:mod:`tasks.curation.mail`; put it before the filters);
 * ``rewrite: {style: hq, budget: 200}`` — LLM rewrites (:mod:`tasks.curation.rewrite`);
 * ``mix: {rewritten: 0.67}`` — keep rewritten and original text at a token ratio.
 
@@ -42,8 +44,9 @@ from tasks.curation.crawl import CRAWL_FILTERS
 from tasks.curation.dedup import DedupIndex, MinHashConfig, exact_duplicates, minhash_duplicates
 from tasks.curation.decontam import DecontaminationConfig, ValDecontaminator
 from tasks.curation.filters import FILTERS, FilterResult
+from tasks.curation.mail import EMAIL_STEPS
 from tasks.curation.rewrite import STYLES, GeneratorConfig
-from tasks.curation.text import TokenCount, whitespace_words
+from tasks.curation.text import TokenCount, check_token_count, counter_name, whitespace_words
 
 #: Columns of a kept frame: the document columns plus ``rewrite`` (the style, or null for original text).
 KEPT_SCHEMA: dict[str, pl.DataType] = {
@@ -100,6 +103,7 @@ def _step_fields() -> list[tuple[str, Any, Any]]:
     kinds: list[tuple[str, type]] = [("exact_dedup", ExactDedupStep), ("minhash", MinHashConfig)]
     kinds += [(name, cfg_cls) for name, (cfg_cls, _fn) in FILTERS.items()]
     kinds += [(name, cfg_cls) for name, (cfg_cls, _fn) in CRAWL_FILTERS.items()]
+    kinds += [(name, cfg_cls) for name, (cfg_cls, _fn) in EMAIL_STEPS.items()]
     kinds += [("rewrite", RewriteStep), ("mix", MixStep)]
     # Annotated as the bare config class (default None) rather than ``cls | None``: from_mapping
     # then reports a bad setting by its own key instead of "expected X or NoneType".
@@ -199,7 +203,9 @@ class CurationConfig:
     steps; ``shard_docs``/``n_workers`` size the sharded engine; ``index`` names a persisted
     dedup index of an earlier corpus (:class:`DedupIndexConfig`). ``decontamination`` removes,
     from every variant after its recipe, the documents that largely repeat validation text
-    (:mod:`tasks.curation.decontam`).
+    (:mod:`tasks.curation.decontam`). ``token_count`` (``words`` or ``tokenizer:<path>``,
+    :func:`tasks.curation.crawl.token_counter`) counts the ``tokens_in``/``tokens_kept`` of every
+    variant's stats and the mix step's token ratios; ``stats.json`` names it.
     """
 
     active: tuple[str, ...]
@@ -209,8 +215,11 @@ class CurationConfig:
     shard_docs: int = 20_000
     n_workers: int = 2
     index: DedupIndexConfig = field(default_factory=DedupIndexConfig)
+    token_count: str = "words"
 
     def __post_init__(self) -> None:
+        problem = check_token_count(self.token_count)
+        require(problem is None, "token_count", problem or "")
         require(len(self.active) > 0, "active", "name at least one variant")
         missing = [a for a in self.active if a not in self.variants]
         require(not missing, "active", f"unknown variant(s) {missing}; defined: {sorted(self.variants)}")
@@ -456,6 +465,8 @@ def apply_step(
     else:
         if kind in CRAWL_FILTERS:  # they read the frame (url as well as text), so no text-keyed cache
             result = CRAWL_FILTERS[kind][1](docs, cfg)
+        elif kind in EMAIL_STEPS:  # not cached: the cache keeps decisions, not the step's line counters
+            result = EMAIL_STEPS[kind][1](docs["text"], cfg)
         else:
             _cfg_cls, fn = FILTERS[kind]
             result = filter_cache.apply(kind, cfg, docs["text"]) if filter_cache is not None else fn(docs["text"], cfg)
@@ -488,7 +499,8 @@ def curation_stats(docs_in: pl.DataFrame, kept: pl.DataFrame, dropped: pl.DataFr
     by_reason = dict(sorted((r, int(c)) for r, c in dropped.group_by("reason").len().iter_rows()))
     rewritten = int(kept["rewrite"].is_not_null().sum()) if "rewrite" in kept.columns else 0
     return stats_from_counts(text_counts(docs_in["text"], token_count), text_counts(kept["text"], token_count),
-                             dropped_by_reason=by_reason, docs_rewritten=rewritten, steps=steps)
+                             dropped_by_reason=by_reason, docs_rewritten=rewritten, steps=steps,
+                             token_count=counter_name(token_count))
 
 
 def text_counts(texts: pl.Series, token_count: TokenCount = whitespace_words) -> dict[str, int]:
@@ -498,10 +510,11 @@ def text_counts(texts: pl.Series, token_count: TokenCount = whitespace_words) ->
 
 
 def stats_from_counts(counts_in: dict[str, int], counts_kept: dict[str, int], *, dropped_by_reason: dict[str, int],
-                      docs_rewritten: int, steps: list[dict] | None = None) -> dict:
+                      docs_rewritten: int, steps: list[dict] | None = None, token_count: str = "words") -> dict:
     """:func:`curation_stats` from :func:`text_counts` of the input and the kept documents (summed
     over shards by a caller that never holds the corpus); raises ``AssertionError`` when the
-    documents in are not those kept plus those dropped."""
+    documents in are not those kept plus those dropped. ``token_count`` names what counted the
+    ``tokens_*`` (:func:`~tasks.curation.text.counter_name`)."""
     n_in, n_kept, n_drop = counts_in["docs"], counts_kept["docs"], sum(dropped_by_reason.values())
     if n_in != n_kept + n_drop:
         raise AssertionError(f"curation lost documents: {n_in} in != {n_kept} kept + {n_drop} dropped")
@@ -513,6 +526,7 @@ def stats_from_counts(counts_in: dict[str, int], counts_kept: dict[str, int], *,
         "words_kept": counts_kept["words"],
         "tokens_in": counts_in["tokens"],
         "tokens_kept": counts_kept["tokens"],
+        "token_count": token_count,
         "docs_rewritten": docs_rewritten,
         "dropped_by_reason": dropped_by_reason,
         "steps": steps or [],

@@ -64,7 +64,7 @@ from tasks.curation.dedup import (
     minhash_signatures,
 )
 from tasks.curation.decontam import ValDecontaminator
-from tasks.curation.prepare import _quarantine_rows
+from tasks.curation.prepare import SourceSpec, _quarantine_rows, file_sources
 from tasks.curation.recipes import (
     DROPPED_SCHEMA,
     KEPT_SCHEMA,
@@ -82,17 +82,8 @@ from tasks.curation.recipes import (
     stats_from_counts,
     text_counts,
 )
-from tasks.curation.sources import (
-    JSONL_SUFFIXES,
-    QUARANTINE_SCHEMA,
-    JsonlSource,
-    ParquetSource,
-    empty_docs,
-    expand_paths,
-    read_source,
-    read_source_batches,
-)
-from tasks.curation.text import TokenCount, whitespace_words
+from tasks.curation.sources import QUARANTINE_SCHEMA, empty_docs, read_source, read_source_batches
+from tasks.curation.text import TokenCount, counter_name, whitespace_words
 
 MARKER = "DONE"
 
@@ -115,68 +106,51 @@ class SerialExecutor:
         return fut
 
 
-def check_inputs(input_paths: Sequence[str | Path]) -> tuple[list, list]:
-    """Refuse unusable inputs before anything is written; return ``(jsonl, parquet)`` paths.
+Inputs = Sequence[str | Path | SourceSpec]
 
+
+def check_inputs(inputs: Inputs, *, text_field: str = "text", id_field: str | None = "id") -> list[SourceSpec]:
+    """Refuse unusable inputs before anything is written; return them as source specs.
+
+    ``inputs``: files and globs (JSONL or Parquet, by extension; :func:`~tasks.curation.prepare.file_sources`
+    with ``text_field``/``id_field``), or :class:`~tasks.curation.prepare.SourceSpec` s — the
+    entries of ``prepare.sources``, so the pipeline's sources curate as they prepare.
     Cheap: resolves every file and glob and reads only Parquet schemas. ``ValueError`` or
     ``FileNotFoundError`` names the path: a directory, a missing or empty file, an unknown
-    extension, a Parquet file without a string ``text`` column.
+    extension, a Parquet file without a string text column.
     """
-    require(len(input_paths) > 0, "input_paths", "give at least one file or glob")
-    for p in input_paths:
-        if Path(p).is_dir():
-            raise ValueError(f"{p}: is a directory; give its files or a glob such as {Path(p) / '*.jsonl'}")
-    jsonl = [p for p in input_paths if str(p).endswith(JSONL_SUFFIXES)]
-    parquet = [p for p in input_paths if str(p).endswith(".parquet")]
-    other = [p for p in input_paths if p not in jsonl and p not in parquet]
-    require(not other, "input_paths",
-            f"{other[0]}: unknown format; expected .jsonl (.jsonl.gz, .jsonl.zst) or .parquet" if other else "")
-    expand_paths(jsonl)
-    for path, _ in expand_paths(parquet):
-        try:
-            schema = pl.read_parquet_schema(path)
-        except (pl.exceptions.PolarsError, OSError) as exc:
-            raise ValueError(f"{path}: not a readable Parquet file ({exc})") from None
-        if "text" not in schema:
-            raise ValueError(f"{path}: no 'text' column; columns are {list(schema)}")
-        if schema["text"] not in (pl.Utf8, pl.String):
-            raise ValueError(f"{path}: column 'text' is {schema['text']}, not a string")
-    return jsonl, parquet
+    require(len(inputs) > 0, "input_paths", "give at least one file or glob")
+    specs = [i for i in inputs if isinstance(i, SourceSpec)]
+    paths = [i for i in inputs if not isinstance(i, SourceSpec)]
+    if paths:
+        specs += file_sources(paths, text_field=text_field, id_field=id_field)
+    for spec in specs:
+        spec.check()
+    return specs
 
 
-def _input_sources(jsonl: Sequence, parquet: Sequence) -> list[JsonlSource | ParquetSource]:
-    """The sources of checked inputs, JSONL files before Parquet ones. Documents are labelled
-    ``jsonl`` or ``parquet``, or by a Parquet file's own ``source`` column when it has one (the
-    prepared split's, say)."""
-    sources: list[JsonlSource | ParquetSource] = []
-    if jsonl:
-        sources.append(JsonlSource(jsonl, name="jsonl"))
-    if parquet:
-        sources.append(ParquetSource(parquet, name="parquet", source_key="source"))
-    return sources
-
-
-def read_inputs(input_paths: Sequence[str | Path]) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Documents and quarantine from JSONL (``.jsonl``/``.json``/``.ndjson``) and Parquet files or globs
-    (checked first by :func:`check_inputs`), whole in memory: for small corpora and as a reference
-    in tests; :func:`curate_corpus` streams them with :func:`ingest_shards` instead."""
+def read_inputs(inputs: Inputs, *, text_field: str = "text", id_field: str | None = "id"
+                ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Documents and quarantine from JSONL (``.jsonl``/``.json``/``.ndjson``) and Parquet files or globs,
+    or source specs (checked first by :func:`check_inputs`), whole in memory: for small corpora and
+    as a reference in tests; :func:`curate_corpus` streams them with :func:`ingest_shards` instead."""
     docs, quarantine = [], []
-    for source in _input_sources(*check_inputs(input_paths)):
-        d, q = read_source(source)
+    for spec in check_inputs(inputs, text_field=text_field, id_field=id_field):
+        d, q = read_source(spec.build())
         docs.append(d)
         quarantine.append(q)
     docs_all, quarantine_all = pl.concat(docs), pl.concat(quarantine)
     if docs_all.height == 0 and quarantine_all.height == 0:
-        raise ValueError(f"{', '.join(map(str, input_paths))}: no documents (every input is empty)")
+        raise ValueError(f"{', '.join(map(str, inputs))}: no documents (every input is empty)")
     return docs_all, quarantine_all
 
 
-def _fingerprint(input_paths: Sequence[str | Path], recipe: Recipe, shard_docs: int) -> str:
+def _fingerprint(specs: Sequence[SourceSpec], recipe: Recipe, shard_docs: int) -> str:
     h = hashlib.sha256()
     # parts: the layout of the part folders (2: a dropped file per step), so older parts are not read
     h.update(json.dumps({"recipe": to_dict(recipe), "shard_docs": shard_docs, "parts": 2}, sort_keys=True).encode())
-    for p in input_paths:
-        h.update(str(p).encode())
+    for spec in specs:
+        h.update(json.dumps(to_dict(spec), sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -191,12 +165,12 @@ def _text_stats(shard: str, token_count: TokenCount) -> dict:
     return text_counts(pl.read_parquet(shard, columns=["text"])["text"], token_count)
 
 
-def ingest_shards(input_paths: Sequence[str | Path], folder: Path, shard_docs: int,
+def ingest_shards(specs: Sequence[SourceSpec], folder: Path, shard_docs: int,
                   on_shard: Callable[[Path], None] | None = None) -> dict:
-    """Stream the inputs into document shards ``folder/docs-<i>.parquet`` of ``shard_docs`` rows.
+    """Stream the sources (:func:`check_inputs`) into document shards ``folder/docs-<i>.parquet``
+    of ``shard_docs`` rows.
 
-    Inputs are read in batches (:func:`~tasks.curation.sources.read_source_batches`), JSONL files
-    before Parquet ones as in :func:`read_inputs`; a repeated id after its first occurrence
+    Sources are read in order, in batches (:func:`~tasks.curation.sources.read_source_batches`); a repeated id after its first occurrence
     becomes a ``duplicate_id`` quarantine row (only the ids seen are remembered). At most about
     two shards of documents are in memory at once. ``on_shard`` is called with each shard as it
     is written (to start work on it). Returns ``shards`` (paths, at least one, possibly empty),
@@ -204,7 +178,6 @@ def ingest_shards(input_paths: Sequence[str | Path], folder: Path, shard_docs: i
     ``ids`` (every kept id, in order) and ``digest`` (sha256 of ids and texts, the content part of
     the resume fingerprint).
     """
-    jsonl, parquet = check_inputs(input_paths)
     folder.mkdir(parents=True, exist_ok=True)
     seen: dict[str, None] = {}  # insertion-ordered: ids in input order
     digest = hashlib.sha256()
@@ -220,8 +193,8 @@ def ingest_shards(input_paths: Sequence[str | Path], folder: Path, shard_docs: i
         if on_shard is not None:
             on_shard(path)
 
-    for source in _input_sources(jsonl, parquet):
-        for docs, quarantine in read_source_batches(source, batch=min(shard_docs, 20_000)):
+    for spec in specs:
+        for docs, quarantine in read_source_batches(spec.build(), batch=min(shard_docs, 20_000)):
             records += docs.height + quarantine.height
             if quarantine.height:
                 read_q.append(write_parquet(folder / f"quarantine-read-{len(read_q):05d}.parquet", quarantine))
@@ -246,7 +219,8 @@ def ingest_shards(input_paths: Sequence[str | Path], folder: Path, shard_docs: i
                 write_shard(whole.head(shard_docs))
                 buf, buffered = [whole.slice(shard_docs)], whole.height - shard_docs
     if records == 0:
-        raise ValueError(f"{', '.join(map(str, input_paths))}: no documents (every input is empty)")
+        shown = ", ".join(", ".join(s.files) or s.kind for s in specs)
+        raise ValueError(f"{shown}: no documents (every input is empty)")
     if buffered or not shards:
         write_shard(pl.concat(buf) if buf else empty_docs())
     return {"shards": shards, "quarantine": read_q + dup_q, "records_read": records, "docs": len(seen),
@@ -624,7 +598,7 @@ def _sum(parts: Sequence[dict], key: str) -> int:
 
 
 def curate_corpus(
-    input_paths: Sequence[str | Path],
+    inputs: Inputs,
     out_dir: str | Path,
     recipe: Recipe,
     *,
@@ -636,8 +610,15 @@ def curate_corpus(
     index: DedupIndex | None = None,
     decontaminate: ValDecontaminator | None = None,
     filter_cache: FilterCache | None = None,
+    text_field: str = "text",
+    id_field: str | None = "id",
 ) -> dict:
     """Curate files into ``out_dir/{kept,dropped,quarantine}.parquet`` and ``stats.json``; return the stats.
+
+    ``inputs``: files and globs, whose records hold their text and id under ``text_field`` and
+    ``id_field``, or source specs (:func:`check_inputs`). ``token_count`` counts the
+    ``tokens_in``/``tokens_kept`` of ``stats.json`` and the mix step's ratios; ``stats.json``'s
+    ``token_count`` names it (:func:`~tasks.curation.text.counter_name`).
 
     ``executor``: anything with ``submit`` (a Ray-backed pool, say); default a
     process pool of ``n_workers`` (spawned, so no forked polars threads), or in-process
@@ -663,7 +644,7 @@ def curate_corpus(
     require(shard_docs > 0, "shard_docs", "must be positive")
     if recipe.needs_rewriter and rewriter is None:
         raise ValueError("this recipe has a rewrite step: pass rewriter= (e.g. rewrite.DocumentRewriter)")
-    check_inputs(input_paths)
+    specs = check_inputs(inputs, text_field=text_field, id_field=id_field)
     out = Path(out_dir)
     parts = out / ".shards"
     staging = out / ".ingest"  # this run's input shards, until the manifest says where they belong
@@ -682,9 +663,9 @@ def curate_corpus(
             shutil.rmtree(staging)
         in_stats: list[Future] = []
         try:
-            ingested = ingest_shards(input_paths, staging, shard_docs, on_shard=lambda p: in_stats.append(
+            ingested = ingest_shards(specs, staging, shard_docs, on_shard=lambda p: in_stats.append(
                 executor.submit(_text_stats, str(p), token_count)))
-            fingerprint = _fingerprint(input_paths, recipe, shard_docs) + ":" + ingested["digest"]
+            fingerprint = _fingerprint(specs, recipe, shard_docs) + ":" + ingested["digest"]
             index_stats = None
             if index is not None and len(index):
                 index.minhash_config_for([s.settings for s in recipe.steps if s.kind == "minhash"])
@@ -707,7 +688,7 @@ def curate_corpus(
         staging.rename(parts / "input")
         if not manifest.exists():
             write_json(manifest, {"fingerprint": fingerprint, "recipe": to_dict(recipe), "shard_docs": shard_docs,
-                                  "inputs": [str(p) for p in input_paths]})
+                                  "inputs": [to_dict(spec) for spec in specs]})
         files = [parts / "input" / p.name for p in ingested["shards"]]
         quarantine_files = [parts / "input" / p.name for p in ingested["quarantine"]]
 
@@ -770,7 +751,8 @@ def curate_corpus(
     records_read = ingested["records_read"]
     counts_in, counts_kept = ({k: _sum(c, k) for k in ("docs", "words", "tokens")} for c in (in_counts, out_counts))
     stats = stats_from_counts(counts_in, counts_kept, dropped_by_reason=by_reason,
-                              docs_rewritten=_sum(out_counts, "rewritten"), steps=step_infos)
+                              docs_rewritten=_sum(out_counts, "rewritten"), steps=step_infos,
+                              token_count=counter_name(token_count))
     stats.update(records_read=records_read, quarantined=n_quarantined, quarantined_by_reason=quarantined_by_reason,
                  recipe=to_dict(recipe), shard_docs=shard_docs)
     if index_stats is not None:

@@ -20,6 +20,12 @@ Adapters:
   (``.jsonl.gz``, ``.jsonl.zst``): a ``text`` key, optional ``id``, ``url``, ``title``.
 * :class:`ParquetSource` — the user's Parquet files with a ``text`` column.
 
+Both user adapters read the text and the id from the keys (columns) the user's records have:
+``text_field``/``id_field``, a key or a dotted path into nested records (``payload.body``; in
+Parquet, a struct column's field). A key that the first record of a file lacks is a configuration
+error naming the file, the line and the key (:class:`FieldMissing`); a later record without it is
+quarantined as ``missing_text`` like any record without text.
+
 >>> docs, quarantine = read_source(JsonlSource(["data/*.jsonl"]))
 """
 
@@ -54,6 +60,24 @@ EXCERPT_CHARS = 200
 
 class SourceUnavailable(RuntimeError):
     """A packaged source is not installed; the message gives the install command."""
+
+
+class FieldMissing(ValueError):
+    """A file's records lack the key ``text_field`` (or ``id_field``) names: the message gives the
+    file, the line (or row), the key and the keys the record has."""
+
+
+def field_value(record: dict, path: str) -> tuple[bool, Any]:
+    """``(found, value)`` of ``path`` in a JSON object: the key itself, else a dotted path into
+    nested objects (``"meta.id"`` is ``record["meta"]["id"]``)."""
+    if path in record:
+        return True, record[path]
+    node: Any = record
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,91 +335,170 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
 
 
 class JsonlSource(Source):
-    """JSON-lines files: one object per line with a string ``text_key``; ``id``/``url``/``title`` optional.
+    """JSON-lines files: one object per line with a string ``text_field``; ``id_field``/``url``/``title``
+    optional.
 
+    ``text_field``/``id_field``: a key or a dotted path into nested objects (``"payload.body"``).
+    The first object of each file must have ``text_field`` (and ``id_field`` when it is not the
+    default ``id``), else :class:`FieldMissing` names the file, line and key: a corpus whose
+    records use another key is refused at its first line instead of being quarantined whole.
     Without an id, a record's id is ``<name>:<file label>:<line>`` (stable while
     the file is unchanged). Bad lines become quarantine records with their line
     number; blank lines inside a file are quarantined as ``blank_line``.
     """
 
-    def __init__(self, paths: Sequence[str | Path], *, name: str = "jsonl", text_key: str = "text",
-                 id_key: str | None = "id"):
+    def __init__(self, paths: Sequence[str | Path], *, name: str = "jsonl", text_field: str = "text",
+                 id_field: str | None = "id"):
         self.paths = tuple(paths)
         self.name = name
-        self.text_key = text_key
-        self.id_key = id_key
+        self.text_field = text_field
+        self.id_field = id_field
 
     def read(self) -> Iterator[RawRecord]:
+        for path, label in expand_paths(self.paths):
+            lineno = 0
+            checked = False
+            try:
+                with open_jsonl(path) as fh:
+                    for lineno, raw in enumerate(fh, start=1):
+                        record, obj = self._record(raw, label, lineno)
+                        if obj is not None and not checked:
+                            self._check_fields(obj, path, lineno)
+                            checked = True
+                        yield record
+            except _stream_errors() as exc:  # a corrupt or truncated compressed stream
+                raise ValueError(f"{path}: unreadable after line {lineno} ({type(exc).__name__}: {exc})") from None
+
+    def check_fields(self) -> None:
+        """Refuse, before anything is read whole, a file whose first JSON object lacks the fields
+        (:class:`FieldMissing`); reads each file only up to its first object."""
         for path, label in expand_paths(self.paths):
             lineno = 0
             try:
                 with open_jsonl(path) as fh:
                     for lineno, raw in enumerate(fh, start=1):
-                        yield self._record(raw, label, lineno)
-            except _stream_errors() as exc:  # a corrupt or truncated compressed stream
+                        _, obj = self._record(raw, label, lineno)
+                        if obj is not None:
+                            self._check_fields(obj, path, lineno)
+                            break
+            except _stream_errors() as exc:
                 raise ValueError(f"{path}: unreadable after line {lineno} ({type(exc).__name__}: {exc})") from None
 
-    def _record(self, raw: bytes, label: str, lineno: int) -> RawRecord:
+    def _check_fields(self, obj: dict, path: Path, lineno: int) -> None:
+        wanted = [("text_field", self.text_field)]
+        if self.id_field not in (None, "id"):  # the default id is optional; a named one is not
+            wanted.append(("id_field", self.id_field))
+        for what, key in wanted:
+            if not field_value(obj, key)[0]:
+                raise FieldMissing(f"{path}: line {lineno}: no {key!r} key ({what}); this record's keys are "
+                                   f"{sorted(obj)[:20]} (set {what} to the key holding the "
+                                   f"{'text' if what == 'text_field' else 'id'}, a dotted path for a nested one)")
+
+    def _record(self, raw: bytes, label: str, lineno: int) -> tuple[RawRecord, dict | None]:
+        """The line's record, and its JSON object when it is one."""
         body = raw.rstrip(b"\r\n")
         try:
             line = body.decode("utf-8")
         except UnicodeDecodeError:
-            return RawRecord(self.name, label, lineno, reason="invalid_utf8", raw=_excerpt(body))
+            return RawRecord(self.name, label, lineno, reason="invalid_utf8", raw=_excerpt(body)), None
         if not line.strip():
-            return RawRecord(self.name, label, lineno, reason="blank_line", raw="")
+            return RawRecord(self.name, label, lineno, reason="blank_line", raw=""), None
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
-            return RawRecord(self.name, label, lineno, reason="invalid_json", raw=_excerpt(line))
+            return RawRecord(self.name, label, lineno, reason="invalid_json", raw=_excerpt(line)), None
         if not isinstance(obj, dict):
-            return RawRecord(self.name, label, lineno, reason="not_an_object", raw=_excerpt(line))
-        user_id = _opt_str(obj.get(self.id_key)) if self.id_key else None
+            return RawRecord(self.name, label, lineno, reason="not_an_object", raw=_excerpt(line)), None
+        user_id = _opt_str(field_value(obj, self.id_field)[1]) if self.id_field else None
         doc_id = user_id or f"{self.name}:{label}:{lineno}"
-        return _check_text(self.name, label, lineno, obj.get(self.text_key), line, id=doc_id,
-                           url=_opt_str(obj.get("url")), title=_opt_str(obj.get("title")))
+        return _check_text(self.name, label, lineno, field_value(obj, self.text_field)[1], line, id=doc_id,
+                           url=_opt_str(obj.get("url")), title=_opt_str(obj.get("title"))), obj
+
+
+def parquet_field(schema: dict[str, pl.DataType], path: str, file: str | Path, what: str) -> tuple[str, tuple[str, ...]]:
+    """Where ``path`` lies in a Parquet ``schema``: ``(column, struct fields)`` — the column itself,
+    else a dotted path into a struct column (``"meta.id"``: column ``meta``, field ``id``).
+    ``ValueError`` names the file and the key when neither exists."""
+    if path in schema:
+        return path, ()
+    column, *fields = path.split(".")
+    dtype = schema.get(column)
+    for f in fields:
+        names = {fld.name: fld.dtype for fld in dtype.fields} if isinstance(dtype, pl.Struct) else {}
+        if f not in names:
+            dtype = None
+            break
+        dtype = names[f]
+    if not fields or dtype is None:
+        raise FieldMissing(f"{file}: no {path!r} column ({what}); columns are {list(schema)}")
+    return column, tuple(fields)
+
+
+def _parquet_dtype(schema: dict[str, pl.DataType], column: str, fields: tuple[str, ...]) -> pl.DataType:
+    dtype = schema[column]
+    for f in fields:
+        dtype = {fld.name: fld.dtype for fld in dtype.fields}[f]
+    return dtype
 
 
 class ParquetSource(Source):
-    """Parquet files with a string ``text`` column (``id``, ``url``, ``title`` used when present).
+    """Parquet files with a string ``text_field`` column (``id_field``, ``url``, ``title`` used when present).
 
-    ``line`` in quarantine rows is the 1-based row number. A file without the text
-    column, or with a non-string one, raises ``ValueError`` naming the file.
-    ``source_key``: a column naming each row's source, used (when a file has it and the row's
-    value is a non-empty string) instead of ``name`` — documents that were labelled already,
-    such as the prepared split's, keep their labels.
+    ``text_field``/``id_field``: a column, or a dotted path into a struct column. ``line`` in
+    quarantine rows is the 1-based row number. A file without the text column, or with a
+    non-string one, raises ``ValueError`` naming the file (and a missing named ``id_field``
+    likewise). ``source_field``: a column naming each row's source, used (when a file has it and
+    the row's value is a non-empty string) instead of ``name`` — documents that were labelled
+    already, such as the prepared split's, keep their labels.
     """
 
     #: rows decoded at a time
     batch_rows = 8_192
 
-    def __init__(self, paths: Sequence[str | Path], *, name: str = "parquet", text_key: str = "text",
-                 id_key: str | None = "id", source_key: str | None = None):
+    def __init__(self, paths: Sequence[str | Path], *, name: str = "parquet", text_field: str = "text",
+                 id_field: str | None = "id", source_field: str | None = None):
         self.paths = tuple(paths)
         self.name = name
-        self.text_key = text_key
-        self.id_key = id_key
-        self.source_key = source_key
+        self.text_field = text_field
+        self.id_field = id_field
+        self.source_field = source_field
+
+    def columns(self, path: Path) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """Where each document column comes from in ``path``: ``{"text": (column, struct fields),
+        "id": ..., ...}`` for the ones the file has; refuses a file without a string text column
+        (or without a named ``id_field``)."""
+        try:
+            schema = dict(pl.read_parquet_schema(path))
+        except (pl.exceptions.PolarsError, OSError) as exc:
+            raise ValueError(f"{path}: not a readable Parquet file ({exc})") from None
+        text = parquet_field(schema, self.text_field, path, "text_field")
+        dtype = _parquet_dtype(schema, *text)
+        if dtype not in (pl.Utf8, pl.String):
+            raise ValueError(f"{path}: column {self.text_field!r} is {dtype}, not a string")
+        wanted = {"text": text}
+        if self.id_field not in (None, "id"):  # the default id is optional; a named one is not
+            wanted["id"] = parquet_field(schema, self.id_field, path, "id_field")
+        for key, col in (("id", self.id_field), ("url", "url"), ("title", "title"), ("source", self.source_field)):
+            if col and key not in wanted and col in schema:
+                wanted[key] = (col, ())
+        return wanted
 
     def read(self) -> Iterator[RawRecord]:
         import pyarrow.parquet as pq
 
         for path, label in expand_paths(self.paths):
-            schema = pl.read_parquet_schema(path)
-            if self.text_key not in schema:
-                raise ValueError(f"{path}: no {self.text_key!r} column; columns are {list(schema)}")
-            if schema[self.text_key] not in (pl.Utf8, pl.String):
-                raise ValueError(f"{path}: column {self.text_key!r} is {schema[self.text_key]}, not a string")
-            wanted = {"text": self.text_key}
-            for key, col in (("id", self.id_key), ("url", "url"), ("title", "title"), ("source", self.source_key)):
-                if col and col in schema:
-                    wanted[key] = col
+            wanted = self.columns(path)
             row = 0
             # row groups stream in batches, so a large file is never held whole
             for batch in pq.ParquetFile(path).iter_batches(batch_size=self.batch_rows,
-                                                           columns=list(dict.fromkeys(wanted.values()))):
+                                                           columns=list(dict.fromkeys(c for c, _ in wanted.values()))):
                 frame = pl.from_arrow(batch)
-                get = {k: (frame[c] if k == "text" else frame[c].cast(pl.Utf8, strict=False)).to_list()
-                       for k, c in wanted.items()}
+                get = {}
+                for k, (col, fields) in wanted.items():
+                    series = frame[col]
+                    for f in fields:
+                        series = series.struct.field(f)
+                    get[k] = (series if k == "text" else series.cast(pl.Utf8, strict=False)).to_list()
                 for i in range(frame.height):
                     row += 1
                     user_id = get["id"][i] if "id" in get else None
@@ -405,16 +508,6 @@ class ParquetSource(Source):
                     yield _check_text(source, label, row, text, text, id=doc_id,
                                       url=get["url"][i] if "url" in get else None,
                                       title=get["title"][i] if "title" in get else None)
-
-
-def user_source(paths: Sequence[str | Path], *, name: str | None = None) -> Source:
-    """A JSONL or Parquet source chosen by the first file's extension (``.jsonl``/``.json``/``.parquet``)."""
-    first = str(paths[0])
-    if first.endswith(".parquet"):
-        return ParquetSource(paths, name=name or "parquet")
-    if first.endswith(JSONL_SUFFIXES):
-        return JsonlSource(paths, name=name or "jsonl")
-    raise ValueError(f"{first}: unknown input format; expected .jsonl[.gz|.zst] or .parquet")
 
 
 # ---------------------------------------------------------------- collecting

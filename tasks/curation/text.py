@@ -151,3 +151,22 @@ TokenCount = Callable[[pl.Series], pl.Series]
 def whitespace_words(texts: pl.Series) -> pl.Series:
     """Tokens approximated by whitespace-separated words (≈ 0.75 of a GPT-2 BPE token count on English prose)."""
     return texts.fill_null("").str.count_matches(r"\S+").cast(pl.Int64)
+
+
+#: ``curation.token_count`` values: whitespace words, or a tokenizers JSON file's tokens.
+TOKEN_COUNT_CHOICES = "words | tokenizer:<path to a tokenizers JSON file>"
+
+
+def check_token_count(spec: str) -> str | None:
+    """Why ``spec`` is not a ``curation.token_count`` value (None when it is one)."""
+    if spec == "words" or (spec.startswith("tokenizer:") and spec[len("tokenizer:"):].strip()):
+        return None
+    return f"expected {TOKEN_COUNT_CHOICES}, got {spec!r}"
+
+
+def counter_name(token_count: TokenCount) -> str:
+    """What ``stats.json``'s ``token_count`` says counted: ``words`` for :func:`whitespace_words`,
+    else the counter's ``name`` (``tokenizer:<path>`` for a BPE count)."""
+    if token_count is whitespace_words:
+        return "words"
+    return str(getattr(token_count, "name", None) or getattr(token_count, "__qualname__", repr(token_count)))

@@ -124,13 +124,17 @@ def test_bpe_token_count(tmp_path):
     tok = train_tokenizer([EN, DE, FR] * 20, vocab_size=300)
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
-    count = token_counter(path)
-    assert isinstance(count, BpeTokenCount)
+    count = token_counter("tokenizer:tokenizer.json", tmp_path)  # relative to the root given
+    assert isinstance(count, BpeTokenCount) and count.name == f"tokenizer:{path}"
     texts = pl.Series([EN, "", None])
     got = count(texts).to_list()
     assert got[0] == len(tok.encode(EN, add_special_tokens=False).ids) and got[1:] == [0, 0]
     assert got[0] != whitespace_words(texts)[0]  # a real BPE count, not words
-    assert token_counter(tmp_path / "absent.json") is whitespace_words
+    assert token_counter("words") is whitespace_words
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer file at {tmp_path / 'absent.json'}"):
+        token_counter("tokenizer:absent.json", tmp_path)
+    with pytest.raises(ValueError, match=r"expected words \| tokenizer:"):
+        token_counter("sentencepiece")
 
 
 def test_full_preset_crawl_clean_recipe_uses_every_crawl_filter():

