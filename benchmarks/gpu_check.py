@@ -53,12 +53,12 @@ def full_point(steps: int, dry_run: bool, *, compile_model: bool) -> TrainingCon
     if dry_run:
         largest = ModelShape(d_model=32, n_layers=2, n_heads=2)
         changes = dict(vocab_size=512, seq_len=64, batch_size=4)
-    cfg = dataclasses.replace(base, sizes=(largest,), **changes)
+    seq_len, batch = changes.get("seq_len", base.seq_len), changes.get("batch_size", base.batch_size)
     return dataclasses.replace(
-        cfg, compute_budgets=(), token_budgets=(steps * cfg.batch_size * cfg.seq_len,), grad_accum=1,
-        schedule="cosine", warmup_steps=None, eval_interval=10 * steps, eval_tokens=2 * cfg.seq_len + 1,
+        base, sizes=(largest,), compute_budgets=(), token_budgets=(steps * batch * seq_len,), grad_accum=1,
+        schedule="cosine", warmup_steps=None, eval_interval=10 * steps, eval_tokens=2 * seq_len + 1,
         log_interval=max(1, steps // 5), checkpoint_interval=0, seeds=(), seed_sizes=(), extra_branches=(),
-        arch_compare=(), compile=compile_model, num_threads=0)
+        arch_compare=(), compile=compile_model, num_threads=0, **changes)
 
 
 def token_files(root: Path, cfg: TrainingConfig, n_train: int) -> tuple[str, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import subprocess
 import sys
 import tempfile
@@ -73,7 +74,8 @@ def main() -> None:
     print(f"point: {args.preset}'s largest rung {shape.tag} (N_total={ladder(one)[0].n_params_total:,}), "
           f"vocab {one.vocab_size}, seq_len {one.seq_len}, global batch {one.batch_size * one.grad_accum} "
           f"sequences = 2 micro-batches of {one.batch_size}; {args.steps} steps; {args.parallel}; "
-          f"torch {torch.__version__}; {torch.get_num_threads()} default threads; commit {commit}")
+          f"torch {torch.__version__}; {torch.get_num_threads()} default threads; commit {commit}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         n = max(args.steps * one.batch_size * one.grad_accum * one.seq_len * 2, 1 << 18)

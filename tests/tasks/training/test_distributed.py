@@ -110,6 +110,7 @@ def test_killed_worker_resumes_to_the_uninterrupted_loss(ddp_two, token_files, t
     assert resumed.history == reference.history
 
 
+@pytest.mark.slow
 def test_ddp_checkpoint_is_the_one_process_format(token_files, tmp_path, monkeypatch):
     """A DDP run interrupted at W = 2 resumes in one process (rank 0 wrote the replicated state)."""
     cfg = two_worker_config(workers_per_point=2)
