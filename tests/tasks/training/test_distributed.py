@@ -26,8 +26,8 @@ REL_TOL_FSDP = 1e-5
 
 def two_worker_config(**changes):
     """16 steps of a global batch of 4 sequences: 2 micro-batches of 2, one per worker at W = 2."""
-    return tiny_config(token_budgets=(2048,), batch_size=2, grad_accum=2, eval_interval=8, log_interval=2,
-                       checkpoint_interval=4, lr=1e-2, **changes)
+    return tiny_config(**{**dict(token_budgets=(2048,), batch_size=2, grad_accum=2, eval_interval=8, log_interval=2,
+                                 checkpoint_interval=4, lr=1e-2), **changes})
 
 
 @pytest.fixture(scope="module")
