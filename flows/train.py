@@ -50,7 +50,8 @@ from tasks.common.tracking import RunRef, tracked_run
 from tasks.training.config import TrainingConfig
 from tasks.training.arms import training_arms
 from tasks.training.design import arch_specs, seed_sizes
-from tasks.training.loop import RunSpec, ladder, read_doc_losses, train_model, train_size_wsd
+from tasks.training.distributed import PointJob, check_parallel, train_points
+from tasks.training.loop import RunSpec, ladder, read_doc_losses
 from tasks.training.tokenizer import encode_corpus, encode_corpus_segments, load_tokens, save_tokens, train_tokenizer
 
 
@@ -137,10 +138,13 @@ OWNER_FILE = "owner.json"
 def folder_key(cfg: TrainingConfig) -> dict:
     """The config a model folder is keyed by: ``cfg`` less the lists of extra seeds, extra branches
     and arch arms and the feasibility settings (which points train, not what one is), so adding or
-    removing one leaves every other run's folder (and the base runs of older ladders) in place. An extra-seed arm's ``seed`` differs, an arch arm's ``arch``, which
-    gives each folders of its own."""
+    removing one leaves every other run's folder (and the base runs of older ladders) in place. An
+    extra-seed arm's ``seed`` differs, an arch arm's ``arch``, which gives each folders of its own. How
+    many workers train a point (``workers_per_point``, ``gpus_per_worker``, ``parallel``) is left out
+    too: the point is the same at any W, and a run interrupted at one W resumes at another."""
     return {k: v for k, v in to_dict(cfg).items()
-            if k not in ("seeds", "seed_sizes", "extra_branches", "arch_compare", "feasibility")}
+            if k not in ("seeds", "seed_sizes", "extra_branches", "arch_compare", "feasibility",
+                         "workers_per_point", "gpus_per_worker", "parallel")}
 
 
 @task(name="train-size", retries=0, cache_policy=NO_CACHE)
@@ -148,7 +152,7 @@ def train_size(
     variant: str, specs: list[RunSpec], cfg: TrainingConfig, train_path: str, val_path: str, val_groups_path: str,
     out_dirs: list[str], stable_dir: str | None, parent: RunRef, preset: str, data_variant: str | None = None,
     progress=None, data: tuple[DataRef, DataRef] | None = None, val_docs_path: str | None = None,
-    extra_seed: bool = False,
+    extra_seed: bool = False, launcher: str = "local",
 ) -> list[dict]:
     """Train one size's points of one series (every budget under WSD, one point under cosine), each in its
     own MLflow child run; returns their rows for reports/train.csv.
@@ -160,6 +164,8 @@ def train_size(
     validation token's document (``ensure_val_tokens``), so every run writes ``doc_losses.parquet``.
     ``extra_seed``: ``cfg.seed`` is one of ``training.seeds``; the MLflow runs and logged models are
     named with it (``train:raw:<run>:seed1``) so they never collide with the base seed's.
+    ``launcher``: how ``training.workers_per_point`` > 1 workers start (``pipeline.runner``: local
+    processes or Ray Train); their rank 0 reports back here, so the MLflow runs stay this process's.
     """
     tail = f":seed{cfg.seed}" if extra_seed else ""
     set_process_threads(cfg.num_threads)  # once per process: a no-op in the flow's own thread pool
@@ -167,9 +173,7 @@ def train_size(
         write_json(Path(d) / OWNER_FILE, {"preset": preset, "variant": variant, "seed": cfg.seed})
     if stable_dir is not None:
         write_json(Path(stable_dir) / OWNER_FILE, {"preset": preset, "variant": variant, "seed": cfg.seed})
-    train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
     val_groups = source_labels(Path(val_groups_path))
-    val_docs = load_tokens(val_docs_path, mmap=False) if val_docs_path else None
     with contextlib.ExitStack() as stack:
         runs, params = {}, {}
         for spec in specs:
@@ -195,13 +199,9 @@ def train_size(
         def bar(spec):
             return progress(spec) if progress is not None else None
 
-        if stable_dir is not None:
-            results = train_size_wsd(specs, cfg, train_tokens, val_tokens, out_dirs, stable_dir,
-                                     on_metrics=on_metrics, progress=bar, val_groups=val_groups, val_docs=val_docs)
-        else:
-            results = [train_model(spec, cfg, train_tokens, val_tokens, Path(d), on_metrics=on_metrics(spec),
-                                   progress=bar(spec), val_groups=val_groups, val_docs=val_docs)
-                       for spec, d in zip(specs, out_dirs)]
+        job = PointJob(specs=specs, cfg=cfg, train_path=train_path, val_path=val_path, out_dirs=out_dirs,
+                       stable_dir=stable_dir, val_groups=val_groups, val_docs_path=val_docs_path)
+        results = train_points(job, launcher=launcher, on_metrics=on_metrics, progress=bar)
         rows = []
         for spec, result, out_dir in zip(specs, results, out_dirs):
             run = runs[spec.name]
@@ -314,12 +314,14 @@ def run_ladder(ctx: Context, cfg: TrainingConfig, jobs: list[dict], parent: RunR
         def progress_for(label):
             return (lambda spec: bars.bar(f"{label}/{spec.name}", spec.steps)) if local else None
 
-        jobs = [dict({"cfg": cfg} | job, parent=parent, preset=ctx.preset, progress=progress_for(job["variant"]))
-                for job in jobs]
+        jobs = [dict({"cfg": cfg} | job, parent=parent, preset=ctx.preset, progress=progress_for(job["variant"]),
+                     launcher=ctx.pipeline.runner) for job in jobs]
+        # W > 1: the point's Ray Train workers ask for the GPUs, not the task that launches them
+        gpu = cfg.workers_per_point == 1
         if units is None:
-            return [row for rows in map_tasks(ctx.pipeline, train_size, jobs) for row in rows]
+            return [row for rows in map_tasks(ctx.pipeline, train_size, jobs, gpu=gpu) for row in rows]
         names = [train_unit_name(job) for job in jobs]
-        results = units.map(train_size, jobs, names)
+        results = units.map(train_size, jobs, names, gpu=gpu)
         return [row for job, name, rows in zip(jobs, names, results)
                 for row in (mark_ok(rows) if rows is not None else failed_train_rows(job, units.failed_rows(name, [{}])[0]))]
 
@@ -369,6 +371,7 @@ def train_flow(
 ) -> list[dict]:
     ctx = stage_context(root, preset, workdir, runner, parent_run_id)
     cfg = ctx.config(TrainingConfig, "training")
+    check_parallel(cfg, launcher=ctx.pipeline.runner)  # more workers than devices: refused before any work
     layout = ctx.layout
     set_process_threads(cfg.num_threads)  # per process, before the thread pool starts
     with stage_run(ctx, "train", cfg) as run:

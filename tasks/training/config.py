@@ -240,6 +240,13 @@ class TrainingConfig:
     repb: RePBConfig = field(default_factory=RePBConfig)
     # which variants and points are trained when the data is short (not part of any run's numbers)
     feasibility: FeasibilityConfig = field(default_factory=FeasibilityConfig)
+    # Scale-out of one point (tasks/training/distributed.py): W worker processes share each optimizer
+    # step's global batch of batch_size * grad_accum sequences, each rank grad_accum / W micro-batches,
+    # so the batch, lr schedule and branches -- and the result, up to float summation order -- do
+    # not depend on W. Execution knobs: left out of the run's fingerprint and folder key.
+    workers_per_point: int = 1
+    gpus_per_worker: int = 0  # 0: CPU workers (gloo); 1: one GPU per worker process (nccl)
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 shards weights and AdamW state over the W workers
 
     def __post_init__(self) -> None:
         require(self.vocab_size >= 256, "vocab_size", f"must be >= 256 (byte-level BPE), got {self.vocab_size}")
@@ -307,6 +314,19 @@ class TrainingConfig:
                 f"branches from a stable run need schedule: wsd, got {self.schedule!r}; clear extra_branches")
         require(len(set(self.arch_compare)) == len(self.arch_compare), "arch_compare",
                 f"has duplicates: {list(self.arch_compare)}")
+        require(self.workers_per_point >= 1, "workers_per_point", f"must be >= 1, got {self.workers_per_point}")
+        require(self.gpus_per_worker in (0, 1), "gpus_per_worker",
+                f"must be 0 (CPU workers) or 1 (one process drives one GPU; set workers_per_point to the GPU "
+                f"count instead), got {self.gpus_per_worker}")
+        require(self.parallel in ("ddp", "fsdp"), "parallel", f"must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        require(self.grad_accum % self.workers_per_point == 0, "workers_per_point",
+                f"the global batch of batch_size x grad_accum = {self.batch_size} x {self.grad_accum} sequences "
+                f"is not divisible by workers_per_point x batch_size = {self.workers_per_point} x "
+                f"{self.batch_size}; make grad_accum a multiple of {self.workers_per_point} (and divide "
+                "batch_size to keep the global batch)")
+        require(self.workers_per_point == 1 or not (self.repb.enabled or self.repb.compare), "workers_per_point",
+                f"is {self.workers_per_point}, but RePB (repb.enabled / repb.compare) selects over a whole "
+                "step's samples on one process; train RePB arms with workers_per_point: 1")
 
     @property
     def other_arch(self) -> str:

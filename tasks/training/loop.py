@@ -35,6 +35,7 @@ A run whose training or validation loss turns NaN/inf stops there and is recorde
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -44,7 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -64,6 +65,29 @@ from tasks.training.repb import RePBSelector, weighted_step_loss
 
 MetricsCallback = Callable[[dict[str, float], int], None]
 ProgressCallback = Callable[[int, int], None]
+
+
+class WorkerGroup(Protocol):
+    """One of W worker processes training a run together: the hooks the loop calls.
+
+    Implemented by :class:`tasks.training.distributed.DataParallel` (DDP or FSDP2), which builds on
+    this module; None everywhere below means the plain one-process loop.
+    """
+
+    is_main: bool
+    world: int
+    device: torch.device
+
+    def wrap(self, model: nn.Module, *, compile: bool) -> nn.Module: ...
+    def micro_batches(self, accum: int) -> range: ...
+    def grad_sync(self, *, last: bool) -> contextlib.AbstractContextManager[None]: ...
+    def sum_loss(self, loss_sum: torch.Tensor, count: int) -> int: ...
+    def save_checkpoint(self, ckpt_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        meta: dict[str, Any], extra_tensors: dict[str, torch.Tensor] | None = None) -> None: ...
+    def load_checkpoint(self, ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+                        ) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None: ...
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
+    def barrier(self) -> None: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,6 +186,7 @@ class TrainResult:
     val_loss_by_group: dict[str, dict[str, float]] | None = None
     history: list[tuple[int, float | None, float | None]] = field(default_factory=list)
     repb_kept_frac: float | None = None
+    devices: int = 1  # worker processes (one device each) the run trained on; mfu is per device
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -180,7 +205,9 @@ class TrainResult:
 _NOT_IN_FINGERPRINT = ("sizes", "token_budgets", "compute_budgets", "sizes_per_budget", "tokens_per_param_guess",
                        "variants", "checkpoint_interval", "compile", "num_threads", "seeds", "seed_sizes",
                        # which points and arms the ladder trains, not what one run is
-                       "extra_branches", "arch_compare", "feasibility")
+                       "extra_branches", "arch_compare", "feasibility",
+                       # how many processes share a step, not what the step computes
+                       "workers_per_point", "gpus_per_worker", "parallel")
 
 
 def run_fingerprint(spec: RunSpec, cfg: TrainingConfig) -> str:
@@ -222,10 +249,16 @@ def _optimizer(model: nn.Module, cfg: TrainingConfig, device: torch.device) -> t
 
 
 def _checkpoint_files(ckpt_dir: Path) -> list[tuple[int, Path, Path]]:
-    """Complete checkpoints (both files present), oldest first. The JSON is written last."""
+    """Complete checkpoints (both parts present), oldest first. The JSON is written last.
+
+    The tensors are ``state-<step>.safetensors``, or a ``state-<step>.dcp/`` folder of
+    ``torch.distributed.checkpoint`` shards when FSDP wrote it (:mod:`tasks.training.distributed`).
+    """
     out = []
     for js in ckpt_dir.glob("state-*.json"):
         st = js.with_suffix(".safetensors")
+        if not st.exists():
+            st = js.with_suffix(".dcp")
         try:
             step = int(js.stem.split("-")[1])
         except (IndexError, ValueError):
@@ -233,6 +266,17 @@ def _checkpoint_files(ckpt_dir: Path) -> list[tuple[int, Path, Path]]:
         if st.exists():
             out.append((step, st, js))
     return sorted(out)
+
+
+def remove_older_checkpoints(ckpt_dir: Path, step: int) -> None:
+    """Delete every complete checkpoint of ``ckpt_dir`` but ``step``'s (once ``step``'s is complete)."""
+    for old_step, old_st, old_js in _checkpoint_files(ckpt_dir):
+        if old_step != step:
+            old_js.unlink(missing_ok=True)
+            if old_st.is_dir():
+                shutil.rmtree(old_st, ignore_errors=True)
+            else:
+                old_st.unlink(missing_ok=True)
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -261,10 +305,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torc
     js_path = write_json(ckpt_dir / f"state-{step:08d}.json", {
         **meta, "step": step, "optim_param_groups": sd["param_groups"], "optim_scalar_state": scalar_state,
     })
-    for old_step, old_st, old_js in _checkpoint_files(ckpt_dir):
-        if old_step != step:
-            old_js.unlink(missing_ok=True)
-            old_st.unlink(missing_ok=True)
+    remove_older_checkpoints(ckpt_dir, step)
     return js_path
 
 
@@ -279,6 +320,9 @@ def load_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
     if not files:
         return None
     step, st_path, js_path = files[-1]
+    if st_path.suffix == ".dcp":
+        raise ValueError(f"{st_path}: a sharded checkpoint written under training.parallel: fsdp; resume it with "
+                         "parallel: fsdp, or delete it to restart this run")
     meta = read_json(js_path)
     tensors = load_file(str(st_path), device="cpu")
     model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True)
@@ -324,11 +368,14 @@ class _Trainer:
 
     ``spec`` sets the lr schedule (:func:`lr_at`); a WSD stable run uses its size's longest
     budget, whose steps before any branch point have the lr every branch has there.
+    ``parallel`` (one of W worker processes, :class:`tasks.training.distributed.DataParallel`):
+    the model is wrapped in DDP or sharded by FSDP2, this rank trains its contiguous share of each
+    step's micro-batches, and checkpoints go through it; None is the plain one-process loop.
     """
 
     def __init__(self, spec: RunSpec, cfg: TrainingConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
                  device: torch.device | str | None, val_groups: np.ndarray | None = None,
-                 val_docs: np.ndarray | None = None) -> None:
+                 val_docs: np.ndarray | None = None, parallel: WorkerGroup | None = None) -> None:
         for label, arr in (("train_tokens", train_tokens), ("val_tokens", val_tokens)):
             if len(arr) and int(np.max(arr)) >= cfg.vocab_size:
                 raise ValueError(f"{label}: token id {int(np.max(arr))} >= vocab_size {cfg.vocab_size}")
@@ -336,11 +383,15 @@ class _Trainer:
         self.train_tokens, self.val_tokens, self.val_groups = train_tokens, val_tokens, val_groups
         self.val_docs = val_docs
         self.doc_losses: pl.DataFrame | None = None  # set by result() when val_docs is given
-        self.device = _resolve_device(device)
+        self.parallel = parallel
+        self.device = parallel.device if parallel is not None else _resolve_device(device)
         self.sampler = WindowSampler(len(train_tokens), cfg.seq_len, cfg.seed)
         self.model = build_model(spec.shape, cfg.vocab_size, cfg.seq_len, cfg.arch, cfg.seed).to(self.device)
         self.model.train()
-        self.forward_model = torch.compile(self.model) if cfg.compile else self.model
+        if parallel is not None:  # before the optimizer: FSDP2 replaces the parameters by shards
+            self.forward_model = parallel.wrap(self.model, compile=cfg.compile)
+        else:
+            self.forward_model = torch.compile(self.model) if cfg.compile else self.model
         self.optimizer = _optimizer(self.model, cfg, self.device)
         self.selector = RePBSelector(cfg.repb, n_samples=self.sampler.n_windows) if cfg.repb.enabled else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -368,12 +419,14 @@ class _Trainer:
         }
 
     def save(self, ckpt_dir: Path, fingerprint: str) -> None:
-        save_checkpoint(ckpt_dir, self.step, self.model, self.optimizer, self.meta(fingerprint),
-                        self.selector.state_tensors() if self.selector is not None else None)
+        save = self.parallel.save_checkpoint if self.parallel is not None else save_checkpoint
+        save(ckpt_dir, self.step, self.model, self.optimizer, self.meta(fingerprint),
+             self.selector.state_tensors() if self.selector is not None else None)
 
     def restore(self, ckpt_dir: Path, fingerprint: str, what: str) -> bool:
         """Load the newest checkpoint of ``ckpt_dir`` if there is one; it must carry ``fingerprint``."""
-        loaded = load_checkpoint(ckpt_dir, self.model, self.optimizer)
+        load = self.parallel.load_checkpoint if self.parallel is not None else load_checkpoint
+        loaded = load(ckpt_dir, self.model, self.optimizer)
         if loaded is None:
             return False
         meta, others = loaded
@@ -409,17 +462,22 @@ class _Trainer:
 
     def _train_step(self, step: int) -> None:
         b, accum = self.cfg.batch_size, self.cfg.grad_accum
+        # this worker's contiguous share of the step's micro-batches (all of them on one process)
+        micros = self.parallel.micro_batches(accum) if self.parallel is not None else range(accum)
         batches = []
-        for micro in range(accum):
+        for micro in micros:
             ids, x, y = self.sampler.batch(self.train_tokens, (step * accum + micro) * b, b)
             batches.append((ids, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
         if self.selector is None:
-            for _, x, y in batches:
-                logits = self._logits(x)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-                self.loss_sum += loss.detach()
-                self.loss_count += 1
-                (loss / accum).backward()
+            for i, (_, x, y) in enumerate(batches):
+                # W workers: gradients are averaged over workers once, at the last micro-batch
+                with (self.parallel.grad_sync(last=i == len(batches) - 1) if self.parallel is not None
+                      else contextlib.nullcontext()):
+                    logits = self._logits(x)
+                    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+                    self.loss_sum += loss.detach()
+                    self.loss_count += 1
+                    (loss / len(batches)).backward()
             return
         # RePB selects over the whole optimizer step. With one micro-batch the training forward's
         # own losses are the scores; with several, a no-grad scoring forward over the step's
@@ -482,6 +540,8 @@ class _Trainer:
                 first_segment = False
                 segment_start = done
             if is_log:
+                if self.parallel is not None:  # every worker's micro-batches, as one process would count them
+                    self.loss_count = self.parallel.sum_loss(self.loss_sum, self.loss_count)
                 train_loss = float(self.loss_sum) / max(self.loss_count, 1)
                 self.loss_sum.zero_()
                 self.loss_count = 0
@@ -523,7 +583,9 @@ class _Trainer:
         spec, cfg = self.spec, self.cfg
         d = spec.tokens_trained
         available = self.sampler.n_windows * cfg.seq_len
+        devices = self.parallel.world if self.parallel is not None else 1
         peak = peak_flops(self.device)
+        peak = peak * devices if peak else None  # tps counts every worker's tokens
         tps = self.tokens_per_s()
         val, n_val, by_group = None, None, None
         if not self.diverged:
@@ -545,6 +607,7 @@ class _Trainer:
             diverged=self.diverged is not None, diverged_reason=self.diverged,
             val_loss_by_group=by_group, history=self.history,
             repb_kept_frac=self.selector.kept_fraction if self.selector is not None else None,
+            devices=devices,
         )
 
 
@@ -618,6 +681,7 @@ def train_model(
     init_checkpoint: str | Path | None = None,
     val_groups: np.ndarray | None = None,
     val_docs: np.ndarray | None = None,
+    parallel: WorkerGroup | None = None,
 ) -> TrainResult:
     """Train ``spec`` on ``train_tokens`` (flat token stream, shape (n,)), validate on ``val_tokens``.
 
@@ -644,8 +708,12 @@ def train_model(
     ``doc_losses.parquet`` when ``val_docs`` is given, is rescored from its ``model.safetensors``
     (one pass over the validation split, no training) and its ``result.json`` rewritten with the
     full-split ``val_loss``: the weights are the same run's, only the scoring was older.
+
+    ``parallel``: this process is one of W workers training the run together
+    (:mod:`tasks.training.distributed`); every worker calls this, only the first writes files.
     """
     out_dir = Path(out_dir)
+    main = parallel is None or parallel.is_main
     fingerprint = run_fingerprint(spec, cfg)
     result_path = out_dir / "result.json"
     if result_path.exists():
@@ -654,17 +722,18 @@ def train_model(
             raise ValueError(f"{result_path}: written by a different config or spec "
                              f"({stored.get('fingerprint')} != {fingerprint}); delete {out_dir} to retrain")
         stale = stored.get("val_tokens") is None or (val_docs is not None and not (out_dir / DOC_LOSSES_FILE).exists())
-        if stored.get("diverged") or not stale:
+        if stored.get("diverged") or not stale or not main:
             return TrainResult.from_dict(stored)
         return _rescore_stored(out_dir, stored, val_tokens, device, val_groups=val_groups, val_docs=val_docs)
 
-    trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device, val_groups, val_docs)
+    trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device, val_groups, val_docs, parallel)
     ckpt_dir = out_dir / "checkpoint"
     config_path = out_dir / "config.json"
     if config_path.exists() and read_json(config_path).get("fingerprint") != fingerprint:
         raise ValueError(f"{config_path}: an unfinished run of a different config or spec is in "
                          f"{out_dir}; delete it to retrain")
-    write_json(config_path, _config_record(spec, cfg, trainer.model, fingerprint))
+    if main:
+        write_json(config_path, _config_record(spec, cfg, trainer.model, fingerprint))
     if not trainer.restore(ckpt_dir, fingerprint, "run") and init_checkpoint is not None:
         if not trainer.restore(Path(init_checkpoint), stable_fingerprint(spec, cfg), "stable-run"):
             raise FileNotFoundError(f"{init_checkpoint}: no stable-run checkpoint to branch {spec.name} from")
@@ -675,14 +744,19 @@ def train_model(
     if trainer.val_loss is None and not trainer.diverged:  # unreachable while the last step evaluates; a guard
         trainer.evaluate()
     result = trainer.result()
-    if not trainer.diverged:
-        with atomic_path(out_dir / "model.safetensors") as tmp:
-            save_file({k: v.detach().cpu().contiguous() for k, v in trainer.model.state_dict().items()}, str(tmp),
-                      metadata={"format": "pt", "name": spec.name})
-        if trainer.doc_losses is not None:
-            write_doc_losses(out_dir / DOC_LOSSES_FILE, trainer.doc_losses)
-    write_json(result_path, {**result.to_dict(), "fingerprint": fingerprint})
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    # FSDP: gathering the full weights is collective, every worker takes part
+    weights = parallel.full_state_dict(trainer.model) if parallel is not None else trainer.model.state_dict()
+    if main:
+        if not trainer.diverged:
+            with atomic_path(out_dir / "model.safetensors") as tmp:
+                save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp),
+                          metadata={"format": "pt", "name": spec.name})
+            if trainer.doc_losses is not None:
+                write_doc_losses(out_dir / DOC_LOSSES_FILE, trainer.doc_losses)
+        write_json(result_path, {**result.to_dict(), "fingerprint": fingerprint})
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    if parallel is not None:  # no worker looks for result.json before the first has written it
+        parallel.barrier()
     return result
 
 
@@ -704,13 +778,13 @@ def _rescore_stored(out_dir: Path, stored: dict[str, Any], val_tokens: np.ndarra
 
 def train_stable(spec: RunSpec, cfg: TrainingConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
                  stable_dir: str | Path, branch_points: list[int], *, progress: ProgressCallback | None = None,
-                 device: torch.device | str | None = None) -> Path:
+                 device: torch.device | str | None = None, parallel: WorkerGroup | None = None) -> Path:
     """The stable phase of one size under WSD: train to the last of ``branch_points`` at constant lr.
 
     ``spec`` is the size's longest budget (its schedule before any branch point is every budget's).
     Keeps a checkpoint at each branch point in ``stable_dir/branches/<step>/`` and writes
     ``stable_dir/stable.json`` when done; resumes from ``stable_dir/checkpoint``. Returns
-    ``stable_dir/branches``.
+    ``stable_dir/branches``. ``parallel``: as :func:`train_model`.
     """
     stable_dir = Path(stable_dir)
     fingerprint = stable_fingerprint(spec, cfg)
@@ -722,21 +796,24 @@ def train_stable(spec: RunSpec, cfg: TrainingConfig, train_tokens: np.ndarray, v
         if (done.get("fingerprint") == fingerprint and set(points) <= set(done.get("branch_points", []))
                 and all(_checkpoint_files(branches / f"{p:08d}") for p in points)):
             return branches
-    trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device)
+    trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device, parallel=parallel)
     ckpt_dir = stable_dir / "checkpoint"
     trainer.restore(ckpt_dir, fingerprint, "stable-run")
     # a branch point already passed by a checkpoint from an older ladder is not in branches/: restart
     if any(p <= trainer.step and not _checkpoint_files(branches / f"{p:08d}") for p in points):
-        trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device)
+        trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device, parallel=parallel)
     trainer.run(points[-1], fingerprint=fingerprint, ckpt_dir=ckpt_dir, on_metrics=None, progress=progress,
                 keep_steps=points, keep_dir=branches)
     if trainer.diverged:
         raise FloatingPointError(f"{stable_dir}: the stable run diverged ({trainer.diverged})")
-    write_json(marker, {"fingerprint": fingerprint, "branch_points": list(points), "steps": trainer.step,
-                        "tokens": trainer.step * spec.tokens_per_step,
-                        "flops": trainer.step * spec.tokens_per_step * spec.flops_per_token,
-                        "wall_s": trainer.prior_wall + time.perf_counter() - trainer.t_start})
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    if parallel is None or parallel.is_main:
+        write_json(marker, {"fingerprint": fingerprint, "branch_points": list(points), "steps": trainer.step,
+                            "tokens": trainer.step * spec.tokens_per_step,
+                            "flops": trainer.step * spec.tokens_per_step * spec.flops_per_token,
+                            "wall_s": trainer.prior_wall + time.perf_counter() - trainer.t_start})
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    if parallel is not None:
+        parallel.barrier()
     return branches
 
 
@@ -745,12 +822,13 @@ def train_size_wsd(specs: list[RunSpec], cfg: TrainingConfig, train_tokens: np.n
                    on_metrics: Callable[[RunSpec], MetricsCallback | None] | None = None,
                    progress: Callable[[RunSpec], ProgressCallback | None] | None = None,
                    device: torch.device | str | None = None, val_groups: np.ndarray | None = None,
-                   val_docs: np.ndarray | None = None, keep_stable: bool = False) -> list[TrainResult]:
+                   val_docs: np.ndarray | None = None, keep_stable: bool = False,
+                   parallel: WorkerGroup | None = None) -> list[TrainResult]:
     """Every budget of one size under WSD: one stable run, then a cooldown branch per budget.
 
     ``specs`` (one shape) and ``out_dirs`` pair up. Branches whose result exists are skipped; when
     all are done the stable run's checkpoints are removed (``keep_stable`` keeps them).
-    Returns the results in the order of ``specs``.
+    Returns the results in the order of ``specs``. ``parallel``: as :func:`train_model`.
     """
     if len({s.size for s in specs}) != 1:
         raise ValueError(f"train_size_wsd: one size at a time, got {sorted({s.size for s in specs})}")
@@ -761,15 +839,16 @@ def train_size_wsd(specs: list[RunSpec], cfg: TrainingConfig, train_tokens: np.n
     if todo:
         longest = max(specs, key=lambda s: s.steps)
         branches = train_stable(longest, cfg, train_tokens, val_tokens, stable_dir, stable_steps(todo),
-                                progress=progress(longest) if progress else None, device=device)
+                                progress=progress(longest) if progress else None, device=device,
+                                parallel=parallel)
     results = []
     for spec, out_dir in zip(specs, out_dirs):
         init = branches / f"{spec.decay_start:08d}" if branches is not None else None
         results.append(train_model(spec, cfg, train_tokens, val_tokens, out_dir, init_checkpoint=init,
                                    on_metrics=on_metrics(spec) if on_metrics else None,
                                    progress=progress(spec) if progress else None, device=device,
-                                   val_groups=val_groups, val_docs=val_docs))
-    if not keep_stable:
+                                   val_groups=val_groups, val_docs=val_docs, parallel=parallel))
+    if not keep_stable and (parallel is None or parallel.is_main):
         shutil.rmtree(Path(stable_dir) / "branches", ignore_errors=True)
     return results
 
