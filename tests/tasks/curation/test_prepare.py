@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -18,7 +19,10 @@ from tasks.curation.prepare import (
     shard_frame,
 )
 from tasks.curation.sources import read_source
-from tests.conftest import ROOT
+
+# The checkout (not `from tests.conftest import ROOT`: importing the conftest a second time reruns
+# it and moves the session's PREFECT_HOME).
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _jsonl(path, texts, ids=None):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import polars as pl
 import pytest
 
@@ -18,7 +20,10 @@ from tasks.curation.recipes import (
     step,
     step_kinds,
 )
-from tests.conftest import ROOT
+
+# The checkout (not `from tests.conftest import ROOT`: importing the conftest a second time reruns
+# it and moves the session's PREFECT_HOME).
+ROOT = Path(__file__).resolve().parents[3]
 
 PROSE = (
     "The committee met on Tuesday to discuss the new budget for the city and its schools. "
