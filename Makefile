@@ -50,11 +50,11 @@ demo: venv $(PLOTS_TEMPLATE)
 validate: venv
 	$(BIN)/scalelab validate
 
-# Two pytest-xdist workers (one per core): a file's tests, and the tests sharing the session's ci pipeline,
-# each stay on one worker (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
+# Two pytest-xdist workers (one per core): a file's tests, and the files sharing the session's ci pipeline,
+# each stay on one worker (tests/scheduling.py). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
 test-slow: venv
 	$(BIN)/python -m pytest -m slow

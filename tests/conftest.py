@@ -43,18 +43,15 @@ if str(ROOT) not in sys.path:
 
 
 from tests.checkout_state import state_changes, state_snapshot  # noqa: E402
+from tests.scheduling import make_scheduler  # noqa: E402
 
 _state_before = state_snapshot(ROOT)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): the tests of one file stay on
-    one worker, as `--dist loadfile` would, so a module's fixtures are built once; and every test that
-    uses the session's ci pipeline (the ``ci_run`` fixture, tests/flows/conftest.py) runs on one worker,
-    so that pipeline runs once. Without xdist the marks do nothing."""
-    for item in items:
-        group = "ci_run" if "ci_run" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`make test`): a file's tests on one worker, the ci pipeline's files together
+    (tests/scheduling.py)."""
+    return make_scheduler(config, log)
 
 
 def pytest_sessionfinish(session, exitstatus):

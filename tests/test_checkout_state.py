@@ -43,3 +43,14 @@ def test_prefect_and_mlflow_point_outside_the_checkout():
     assert "PREFECT_API_URL" not in os.environ
     store = Path(os.environ["MLFLOW_TRACKING_URI"].removeprefix("sqlite:///")).resolve()
     assert not store.is_relative_to(ROOT.resolve()), store
+
+
+def test_every_file_using_the_ci_pipeline_is_scheduled_with_it(request):
+    """`make test` runs the ci pipeline once only if every test using ``ci_run`` is in one xdist unit
+    (tests/scheduling.py): a new user of the fixture must be added to CI_RUN_FILES."""
+    from tests.scheduling import CI_RUN_FILES, scope
+
+    users = {item.nodeid.split("::", 1)[0] for item in request.session.items if "ci_run" in item.fixturenames}
+    assert users <= set(CI_RUN_FILES), sorted(users - set(CI_RUN_FILES))
+    assert {scope(f + "::t") for f in CI_RUN_FILES} == {"ci_run"}
+    assert scope("tests/flows/test_cli.py::test_x") == "tests/flows/test_cli.py"
