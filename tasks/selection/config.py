@@ -1,7 +1,7 @@
 """The select stage's configs: :class:`SelectConfig` (the ``select:`` section of
 params/select.yaml) and the configs it holds, each validating its fields.
 
-The stage runs DDCF (Difficulty–Diversity Collaborative Filtering; METHODS.md, "DDCF"; public code
+The stage runs DDCF (Difficulty–Diversity Collaborative Filtering; the DDCF paper;  public code
 iNLP-Lab/DDCF); the paper's defaults are the defaults here (predictor noise 0.01, 30 epochs, lr 1e-3;
 λ = 0.2). Setting (a)'s question family (:class:`QuestionFamily`), pool (:class:`PoolConfig`) and
 targets (:func:`parse_shape`), setting (b)'s :class:`OlmoEvalSetting` and its pool variants

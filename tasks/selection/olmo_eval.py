@@ -1,4 +1,4 @@
-"""DDCF setting (b) (Difficulty–Diversity Collaborative Filtering; METHODS.md, "DDCF"; public code
+"""DDCF setting (b) (Difficulty–Diversity Collaborative Filtering; the DDCF paper;  public code
 iNLP-Lab/DDCF): real multiple-choice questions, a real target model, a pool made from it.
 
 The method is in :mod:`tasks.selection` (predictor, selection, fine-tuning loop); this module supplies

@@ -1,4 +1,4 @@
-"""DDCF's correctness predictor (Difficulty–Diversity Collaborative Filtering; METHODS.md, "DDCF";
+"""DDCF's correctness predictor (Difficulty–Diversity Collaborative Filtering; the DDCF paper; 
 public code iNLP-Lab/DDCF) and the target's difficulty it yields.
 
 A learned embedding ``u_m`` per model and a frozen sentence embedding ``e_q`` per question

@@ -1,4 +1,4 @@
-"""DDCF's selection proper (Difficulty–Diversity Collaborative Filtering; METHODS.md, "DDCF";
+"""DDCF's selection proper (Difficulty–Diversity Collaborative Filtering; the DDCF paper; 
 public code iNLP-Lab/DDCF) and its baselines.
 
 **Greedy selection** (:func:`greedy_select`): ``S ← S ∪ {argmin_{q ∉ S} λ d_q + (1 − λ)

@@ -1,5 +1,5 @@
-"""DDCF end to end in setting (a) (Difficulty–Diversity Collaborative Filtering; METHODS.md,
-"DDCF"; public code iNLP-Lab/DDCF), and the result both settings return.
+"""DDCF end to end in setting (a) (Difficulty–Diversity Collaborative Filtering; the DDCF paper;
+public code iNLP-Lab/DDCF), and the result both settings return.
 
 The method: a pool of models answers a small seed set of questions with gold answers, giving the
 **correctness matrix** ``C[m, q] ∈ {0, 1}`` (:func:`correctness_matrix`; exact match of the greedy

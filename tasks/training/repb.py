@@ -1,7 +1,6 @@
 """RePB: dynamic data pruning within local windows of batches, with cumulative temporal rescaling.
 
-RePB (Zhou et al., "Inconsistency Biases in Dynamic Data Pruning", ICLR 2026; METHODS.md,
-"Training") fixes two biases of loss-based dynamic pruning: *score context drift* (comparing loss
+RePB (Zhou et al., "Inconsistency Biases in Dynamic Data Pruning", ICLR 2026) fixes two biases of loss-based dynamic pruning: *score context drift* (comparing loss
 scores computed under different model states) and *temporal gradient bias* (a sample selected
 more or less often than the rest shifts the effective data distribution). What the paper
 specifies — prune within local windows of batches whose scores come from a near-constant model
