@@ -1,5 +1,5 @@
 """The select stage: fine-tuning data selection by DDCF (Difficulty–Diversity Collaborative
-Filtering; the DDCF paper;  public code iNLP-Lab/DDCF).
+Filtering; the DDCF paper; public code iNLP-Lab/DDCF).
 
 * :mod:`~tasks.selection.config`: :class:`~tasks.selection.config.SelectConfig` and the configs it holds;
 * :mod:`~tasks.selection.embeddings`: the frozen all-MiniLM-L6-v2 question embeddings;
