@@ -3,7 +3,6 @@ variant keeps almost nothing (``starved``) and one too little for the whole ladd
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import yaml
 
 from flows.cli import main
 from tasks.common.tracking import tracking_uri
+from tests.flows.tiny_corpus import word_salad, write_workdir
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {  # two sizes x two token budgets (8 and 16 steps of 128 tokens), WSD, no extra seeds
@@ -28,16 +28,8 @@ TINY = {  # two sizes x two token budgets (8 and 16 steps of 128 tokens), WSD, n
 def corpus(work: Path) -> None:
     """Prepared text and three curated variants: raw (260 docs of 50 words, ~28k tokens), mid (15 docs,
     ~1.6k tokens: the 1024-token points only), starved (one short document: not one training window)."""
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(60)]
-    docs = [" ".join(rng.choice(words) for _ in range(50)) for _ in range(300)]
-    prepared = work / "data" / "prepared"
-    (prepared / "train").mkdir(parents=True)
-    pl.DataFrame({"text": docs[:260]}).write_parquet(prepared / "train" / "shard-00000.parquet")
-    pl.DataFrame({"text": docs[260:], "source": ["a", "b"] * 20}).write_parquet(prepared / "val.parquet")
-    for variant, kept in (("raw", docs[:260]), ("mid", docs[:15]), ("starved", [docs[0][:60]])):
-        (work / "data" / "curated" / variant).mkdir(parents=True)
-        pl.DataFrame({"text": kept}).write_parquet(work / "data" / "curated" / variant / "kept.parquet")
+    docs = word_salad(300, 50)
+    write_workdir(work, docs, {"raw": docs[:260], "mid": docs[:15], "starved": [docs[0][:60]]})
 
 
 def tiny_root(tmp_path: Path, **feasibility) -> tuple[Path, Path]:

@@ -3,7 +3,6 @@ extra-seed runs reported beside train.csv, never in it."""
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 from tasks.training.loop import read_doc_losses
+from tests.flows.tiny_corpus import word_salad, write_workdir
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {  # two sizes x two budgets, WSD; raw and a second variant; one extra seed on the larger size
@@ -34,17 +34,9 @@ def tiny_root(tmp_path: Path, preset: dict = TINY) -> tuple[Path, Path]:
     root = tmp_path / "root"
     shutil.copytree(ROOT / "params", root / "params")
     set_ci_preset(root, preset)
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(60)]
-    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 80))) for _ in range(300)]
+    docs = word_salad(300, (20, 80))
     work = tmp_path / "work"
-    prepared = work / "data" / "prepared"
-    (prepared / "train").mkdir(parents=True)
-    pl.DataFrame({"text": docs[:260]}).write_parquet(prepared / "train" / "shard-00000.parquet")
-    pl.DataFrame({"text": docs[260:], "source": ["a", "b"] * 20}).write_parquet(prepared / "val.parquet")
-    for variant, kept in (("raw", docs[:260]), ("other", docs[:200])):
-        (work / "data" / "curated" / variant).mkdir(parents=True)
-        pl.DataFrame({"text": kept}).write_parquet(work / "data" / "curated" / variant / "kept.parquet")
+    write_workdir(work, docs, {"raw": docs[:260], "other": docs[:200]})
     return root, work
 
 

@@ -9,7 +9,6 @@ Everything runs on a two-model ladder trained once per module (seconds), not on 
 
 from __future__ import annotations
 
-import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from tasks.common.tracking import tracking_uri
+from tests.flows.tiny_corpus import word_salad, write_workdir
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 300
@@ -63,16 +63,9 @@ def tiny_root(tmp: Path) -> tuple[Path, Path]:
         params = yaml.safe_load(path.read_text())
         params["presets"]["ci"] = preset
         path.write_text(yaml.safe_dump(params))
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(60)]
-    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 80))) for _ in range(300)]
+    docs = word_salad(300, (20, 80))
     work = tmp / "work"
-    prepared = work / "data" / "prepared"
-    (prepared / "train").mkdir(parents=True)
-    pl.DataFrame({"text": docs[:260]}).write_parquet(prepared / "train" / "shard-00000.parquet")
-    pl.DataFrame({"text": docs[260:], "source": ["a", "b"] * 20}).write_parquet(prepared / "val.parquet")
-    (work / "data" / "curated" / "raw").mkdir(parents=True)
-    pl.DataFrame({"text": docs[:260]}).write_parquet(work / "data" / "curated" / "raw" / "kept.parquet")
+    write_workdir(work, docs, {"raw": docs[:260]})
     return root, work
 
 
