@@ -29,14 +29,19 @@ from tasks.training.tokenizer import save_tokens
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def random_tokens(folder: Path) -> None:
+    """train.npy (20,000 random ids < 300) and val.npy (2,000) with two alternating sources."""
+    rng = np.random.default_rng(0)
+    save_tokens(folder / "train.npy", rng.integers(0, 300, 20_000).astype(np.uint16))
+    save_tokens(folder / "val.npy", rng.integers(0, 300, 2_000).astype(np.uint16))
+    save_tokens(folder / "val.sources.npy", (np.arange(2_000) % 2).astype(np.int16))
+    write_json(folder / "val.meta.json", {"sources": ["a", "b"]})
+
+
 @pytest.mark.ray
 def test_train_ladder_runs_on_two_ray_workers(prefect_harness, tmp_path: Path):
     pytest.importorskip("prefect_ray")
-    rng = np.random.default_rng(0)
-    save_tokens(tmp_path / "train.npy", rng.integers(0, 300, 20_000).astype(np.uint16))
-    save_tokens(tmp_path / "val.npy", rng.integers(0, 300, 2_000).astype(np.uint16))
-    save_tokens(tmp_path / "val.sources.npy", (np.arange(2_000) % 2).astype(np.int16))
-    write_json(tmp_path / "val.meta.json", {"sources": ["a", "b"]})
+    random_tokens(tmp_path)
     cfg = TrainingConfig(
         vocab_size=300, seq_len=32, batch_size=4,
         sizes=(ModelShape(d_model=32, n_layers=1, n_heads=2), ModelShape(d_model=16, n_layers=1, n_heads=2)),
@@ -76,11 +81,7 @@ def test_point_on_two_ray_train_workers(prefect_harness, tmp_path: Path):
     gloo workers, launched from the Prefect task; rank 0's metrics land in the point's MLflow run,
     and the loss equals the same point trained by the plain loop."""
     pytest.importorskip("ray.train.torch")
-    rng = np.random.default_rng(0)
-    save_tokens(tmp_path / "train.npy", rng.integers(0, 300, 20_000).astype(np.uint16))
-    save_tokens(tmp_path / "val.npy", rng.integers(0, 300, 2_000).astype(np.uint16))
-    save_tokens(tmp_path / "val.sources.npy", (np.arange(2_000) % 2).astype(np.int16))
-    write_json(tmp_path / "val.meta.json", {"sources": ["a", "b"]})
+    random_tokens(tmp_path)
     cfg = TrainingConfig(vocab_size=300, seq_len=32, batch_size=2, grad_accum=2,
                          sizes=(ModelShape(d_model=32, n_layers=1, n_heads=2),), token_budgets=(2_048,),
                          eval_interval=8, eval_tokens=512, log_interval=4, checkpoint_interval=0, num_threads=1,
