@@ -48,6 +48,7 @@ from tests.scheduling import make_scheduler  # noqa: E402
 _state_before = state_snapshot(ROOT)
 
 
+@pytest.hookimpl(optionalhook=True)  # only a hook where pytest-xdist is installed
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (`make test`): a file's tests on one worker, the ci pipeline's files together
     (tests/scheduling.py)."""
