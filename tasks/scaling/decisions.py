@@ -88,19 +88,25 @@ def doc_losses(frame: pl.DataFrame, target: str = WHOLE_SPLIT) -> DocLosses:
     return DocLosses(docs=docs, tokens=tokens, sums=sums)
 
 
+def pooled_sd(groups) -> tuple[float | None, int]:
+    """Pooled within-group standard deviation of ``groups`` (sequences of values) and its degrees of
+    freedom; groups of one value add nothing (None, 0 when no group has two)."""
+    ss, dof = 0.0, 0
+    for values in groups:
+        if len(values) > 1:
+            x = np.asarray(values)
+            ss += float(((x - x.mean()) ** 2).sum())
+            dof += len(x) - 1
+    return (float(np.sqrt(ss / dof)), dof) if dof else (None, 0)
+
+
 def seed_sigma(d: DocLosses) -> tuple[float | None, int]:
     """Pooled within-run standard deviation of the loss across training seeds, and its degrees of
     freedom (None, 0 when no run has two seeds)."""
     by_run: dict[tuple[str, str], list[float]] = {}
     for (v, r, s) in d.sums:
         by_run.setdefault((v, r), []).append(d.loss((v, r, s)))
-    ss, dof = 0.0, 0
-    for losses in by_run.values():
-        if len(losses) > 1:
-            x = np.asarray(losses)
-            ss += float(((x - x.mean()) ** 2).sum())
-            dof += len(x) - 1
-    return (float(np.sqrt(ss / dof)), dof) if dof else (None, 0)
+    return pooled_sd(by_run.values())
 
 
 def seed_sigma_delta(d: DocLosses, reference: str) -> tuple[float | None, int]:
@@ -111,13 +117,7 @@ def seed_sigma_delta(d: DocLosses, reference: str) -> tuple[float | None, int]:
     for (v, r, s) in d.sums:
         if v != reference and (reference, r, s) in d.sums:
             deltas.setdefault((v, r), []).append(d.loss((v, r, s)) - d.loss((reference, r, s)))
-    ss, dof = 0.0, 0
-    for values in deltas.values():
-        if len(values) > 1:
-            x = np.asarray(values)
-            ss += float(((x - x.mean()) ** 2).sum())
-            dof += len(x) - 1
-    return (float(np.sqrt(ss / dof)), dof) if dof else (None, 0)
+    return pooled_sd(deltas.values())
 
 
 def document_weights(n_docs: int, n_bootstrap: int, seed: int) -> np.ndarray:
