@@ -43,7 +43,7 @@ from tasks.evaluation.downstream import TaskRun, evaluate_tasks  # noqa: E402
 from tasks.evaluation.requests import TaskItem, TaskRequests, load_requests  # noqa: E402
 from tasks.evaluation.scoring import supports_shared_context  # noqa: E402
 from tasks.evaluation.stats import wilson_interval  # noqa: E402
-from tasks.evaluation.tokenizer import TokenizerAdapter  # noqa: E402
+from tasks.lm.tokenizer import TokenizerAdapter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("arc_easy", "piqa", "hellaswag", "winogrande")
@@ -133,7 +133,7 @@ def markdown_table(rows: list[dict], confidence: float) -> str:
 
 
 def main() -> int:
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
     from tasks.common.parallel import set_process_threads
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -148,7 +148,7 @@ def request_pairs(arguments: dict | list) -> list[tuple[str, str]]:
 
 def scalelab_worker(tasks: list[str], limit: int, threads: int, result: Path) -> None:
     """``scalelab eval tasks`` with ``threads`` torch threads; per-item log-likelihoods and the batching to JSON."""
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
     from tasks.common.parallel import set_process_threads
     from tasks.common.params import default_preset, load_stage_config
     from tasks.evaluation.config import EvaluateConfig

@@ -6,7 +6,7 @@ Run: ``python benchmarks/gpu_check.py {train,scorer,ddp1} [--dry-run] [--out DIR
 * ``train``: the ``full`` preset's largest rung (params/training.yaml) for ``--steps`` steps with
   bf16 autocast and ``torch.compile`` (the loop's own CUDA settings), at the preset's micro-batch
   and sequence length; prints tokens/s and MFU (model FLOPs per token x tokens/s over the GPU's
-  peak bf16 FLOP/s, :func:`tasks.training.model.peak_flops`) against the issue's goal (>= 35%).
+  peak bf16 FLOP/s, :func:`tasks.lm.model.peak_flops`) against the issue's goal (>= 35%).
 * ``scorer``: :func:`tasks.evaluation.downstream.score_encoded`'s packed token-tree path on the
   same items, fp32 on the CPU and bf16 autocast on CUDA, with one randomly initialised model of
   that rung (the check is the path's agreement, not the model's accuracy): the largest per-choice
@@ -36,10 +36,11 @@ sys.path.insert(0, str(ROOT))
 
 from tasks.common.params import load_stage_config  # noqa: E402
 from tasks.evaluation.downstream import EncodedItem, ScoringConfig, TaskItem, score_encoded  # noqa: E402
-from tasks.training.config import ModelShape, TrainingConfig  # noqa: E402
+from tasks.training.config import TrainingConfig  # noqa: E402
+from tasks.lm.model import ModelShape
 from tasks.training.distributed import PointJob, _launch_local, train_points  # noqa: E402
 from tasks.training.loop import ladder  # noqa: E402
-from tasks.training.model import build_model, peak_flops  # noqa: E402
+from tasks.lm.model import build_model, peak_flops  # noqa: E402
 from tasks.training.tokenizer import save_tokens  # noqa: E402
 
 MFU_GOAL = 0.35

@@ -60,7 +60,7 @@ from tasks.compression.distill import DistillConfig, recover, token_windows  # n
 from tasks.compression.gradpruner import GradPrunerConfig, gradpruner  # noqa: E402
 from tasks.compression.inhernet import InherNetConfig, inhernet  # noqa: E402
 from tasks.compression.pruning import RECOVERY_LOSSES, CachedTeacher  # noqa: E402
-from tasks.evaluation.loss import evaluate_loss  # noqa: E402
+from tasks.lm.loss import evaluate_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = RECOVERY_LOSSES

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flows.compress import calib_eval_overlap, check_overlap, precision_models  # noqa: E402
 from tasks.compression.registry import compress, parse_settings  # noqa: E402
-from tasks.evaluation.loss import evaluate_loss  # noqa: E402
+from tasks.lm.loss import evaluate_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,11 +65,11 @@ QUICK = ["rtn_w3_g128", "rtn_w4_g128", "gptq_w3_g128", "anybcq_g128", "nubitq_b3
 
 def smollm2_text(eval_tokens: int, calib_tokens: int):
     """SmolLM2, its tokenizer, and news text of the prepared val (eval) and train (calibration) splits."""
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
     from tasks.common.params import load_stage_config
     from tasks.curation.prepare import PrepareConfig, prepare_corpus
 
-    from tasks.common.models import token_stream
+    from tasks.zoo.models import token_stream
 
     model, tok, _ = load_causal_lm("smollm2")
     corpus = prepare_corpus(load_stage_config(PrepareConfig, ROOT, "prepare", "demo"))
@@ -81,7 +81,7 @@ def smollm2_text(eval_tokens: int, calib_tokens: int):
 
 
 def ladder_text(model_dir: Path, eval_tokens: int, calib_tokens: int):
-    from tasks.training.loop import load_model
+    from tasks.zoo.ladder import load_model
     from tasks.training.tokenizer import load_tokens
 
     model, meta = load_model(model_dir)

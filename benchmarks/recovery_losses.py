@@ -51,7 +51,7 @@ def main() -> int:
     from flows.stage import stage_context
     from tasks.compression.pruning import PruningConfig, largest_per_variant, prune_rows
     from tasks.compression.registry import PRUNERS
-    from tasks.training.loop import load_model
+    from tasks.zoo.ladder import load_model
     from tasks.training.tokenizer import load_tokens
 
     torch.set_num_threads(args.threads)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant_quality import model_and_text  # noqa: E402
 
-from tasks.evaluation.loss import evaluate_loss  # noqa: E402
+from tasks.lm.loss import evaluate_loss  # noqa: E402
 from tasks.sparse.proxyattn import ProxyAttnConfig  # noqa: E402
 from tasks.sparse.quoka import QuokaConfig  # noqa: E402
 from tasks.sparse.registry import sparsify  # noqa: E402

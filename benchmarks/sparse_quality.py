@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant_quality import model_and_text  # noqa: E402
 
-from tasks.evaluation.loss import evaluate_loss  # noqa: E402
+from tasks.lm.loss import evaluate_loss  # noqa: E402
 from tasks.sparse.registry import parse_settings, sparsify  # noqa: E402
 from tasks.sparse.wina import ALL_LINEARS  # noqa: E402
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tasks.common.models import load_causal_lm  # noqa: E402
+from tasks.zoo.models import load_causal_lm  # noqa: E402
 from tasks.common.params import load_stage_config  # noqa: E402
 from tasks.curation.prepare import PrepareConfig, prepare_corpus  # noqa: E402
 from tasks.sparse.proxyattn import ProxyAttnConfig  # noqa: E402

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tasks.training.config import ModelShape, TrainingConfig  # noqa: E402
+from tasks.training.config import TrainingConfig  # noqa: E402
+from tasks.lm.model import ModelShape
 from tasks.training.loop import WindowSampler, ladder, train_model  # noqa: E402
-from tasks.training.model import build_model  # noqa: E402
+from tasks.lm.model import build_model  # noqa: E402
 
 
 def bare_loop(cfg: TrainingConfig, tokens: np.ndarray, steps: int, *, fused: bool | None = None,

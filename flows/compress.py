@@ -32,15 +32,11 @@ from tasks.common.parallel import set_process_threads
 from tasks.common.registry import MethodSpec
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.compression.config import CompressionConfig
-from tasks.compression.registry import (
-    CompressedModel,
-    compress,
-    model_from_tensors,
-    save_compressed,
-)
-from tasks.evaluation.loss import evaluate_loss, perplexity
-from tasks.training.loop import load_model
-from tasks.training.model import resolve_llama_classes
+from tasks.compression.registry import compress
+from tasks.zoo.compressed import CompressedModel, model_from_tensors, save_compressed
+from tasks.lm.loss import evaluate_loss, perplexity
+from tasks.zoo.ladder import load_model
+from tasks.lm.model import resolve_llama_classes
 from tasks.training.tokenizer import load_tokens
 
 # Pretrained models the stage can include, by params name -> the name its rows carry.
@@ -191,7 +187,7 @@ def compress_pretrained(name: str, cfg: CompressionConfig, prepared: str, out_di
                         final_dir: str | None = None, settings: tuple[str, ...] = ()) -> list[dict]:
     """The pretrained settings (``settings`` of them; empty = every one) on one pretrained model
     (``smollm2``), on the prepared train/val text."""
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
 
     set_process_threads(cfg.num_threads)
     model, tok, meta = load_causal_lm(name)
@@ -226,7 +222,7 @@ def compress_flow(
         models = trained_models(ctx, cfg.models, cfg.variants, key="compression.variants")
         data = model_datasets(ctx, models)
         # Pretrained models first, one job per setting (each ~100x a ladder model; the model loads from
-        # its cache after the first job, tasks.common.models), the ladder's short jobs after them.
+        # its cache after the first job, tasks.zoo.models), the ladder's short jobs after them.
         jobs = [
             dict(kind="pretrained", job=dict(name=name, cfg=cfg, prepared=str(ctx.layout.prepared),
                                              out_dir=str(out / "pretrained" / PRETRAINED[name]), parent=run.ref(),

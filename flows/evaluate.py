@@ -91,7 +91,7 @@ def evaluate_ladder_model(model_row: dict, artifacts: list[dict], with_sparse: b
                           requests: dict[str, TaskRequests], train_path: str, parent: RunRef,
                           pruned: list[dict] = ()) -> tuple[list[dict], list[dict]]:
     """One trained model, its compressed artifacts, its pruned models and its sparse settings."""
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
     from tasks.common.parallel import set_process_threads
     from tasks.sparse.registry import sparsify
     from tasks.training.tokenizer import load_tokens
@@ -135,7 +135,7 @@ def score_pruned(pruned: dict, base: dict[str, Any], tok, cfg: EvaluateConfig, r
     """One model the prune stage kept (a row of :func:`pruned_models`), named ``<base>:<row>`` so
     it is compared with ``base``; its own parameter count, the base's context length and tokenizer
     (the vocabulary is the base's, and the paired comparison needs the same token sequences)."""
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
 
     model, _, _ = load_causal_lm(pruned["path"])
     info = base | {"model": f"{base['model']}:{pruned['setting']}", "method": pruned["method"],
@@ -149,9 +149,10 @@ def evaluate_smollm2(cfg: EvaluateConfig, requests: dict[str, TaskRequests], val
     those ``evaluate.smollm2.artifacts`` names), the prune stage's kept models of it
     (``pruning.save.pretrained``), then those of ``evaluate.smollm2`` made here in process with the
     same registries."""
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
     from tasks.common.parallel import set_process_threads
-    from tasks.compression.registry import compress, load_compressed_model, parse_settings
+    from tasks.compression.registry import compress, parse_settings
+    from tasks.zoo.compressed import load_compressed_model
     from tasks.sparse.registry import SPARSIFIERS, sparsify
 
     set_process_threads(cfg.num_threads)
@@ -338,7 +339,7 @@ def evaluate_flow(
                                                      requests=requests, train_path=str(tokens_path(ctx, m)),
                                                      parent=run.ref(), pruned=pruned)))
         if cfg.smollm2.enabled:
-            from tasks.training.model import resolve_llama_classes
+            from tasks.lm.model import resolve_llama_classes
 
             resolve_llama_classes()  # before SmolLM2's job imports inside transformers beside the ladder's
         units = StageUnits(ctx, run, "evaluate")
@@ -439,7 +440,7 @@ def eval_tasks_command(args: Any, root: Path) -> int:
     Scoring settings come from params/evaluate.yaml (``scoring``, ``confidence``, ``num_threads``).
     """
     from tasks.common.io import write_csv
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
     from tasks.common.parallel import set_process_threads
     from tasks.common.params import default_preset, load_stage_config
     from tasks.evaluation.requests import check_task_names

@@ -38,7 +38,7 @@ from tasks.common.tracking import RunRef, tracked_run
 from tasks.compression.pruning import (
     PruneTables, PruningConfig, RecoveryConfig, SaveConfig, largest_per_variant, plot_recovery_curves, prune_rows,
 )
-from tasks.training.loop import load_model
+from tasks.zoo.ladder import load_model
 from tasks.training.tokenizer import load_tokens
 
 
@@ -118,7 +118,7 @@ def split_train(train: np.ndarray, calib_tokens: int, recovery: RecoveryConfig, 
 def prune_model(model_row: dict, cfg: PruningConfig, parent: RunRef, save_dir: str | None = None,
                 final_dir: str | None = None, workdir: str = ".") -> PruneTables:
     """Every enabled setting on one trained model; the rows ``cfg.save`` keeps go to ``save_dir``."""
-    from tasks.common.models import ladder_tokenizer
+    from tasks.zoo.models import ladder_tokenizer
 
     set_process_threads(cfg.num_threads)
     model, meta = load_model(model_row["model_dir"])
@@ -139,7 +139,7 @@ def prune_model(model_row: dict, cfg: PruningConfig, parent: RunRef, save_dir: s
 def prune_pretrained(name: str, cfg: PruningConfig, prepared: str, parent: RunRef, save_dir: str | None = None,
                      final_dir: str | None = None, workdir: str = ".") -> PruneTables:
     """Every pretrained setting on one pretrained model, on the prepared train/val text in its own tokenizer."""
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
 
     set_process_threads(cfg.pretrained_num_threads)
     model, tok, _ = load_causal_lm(name)
@@ -270,7 +270,7 @@ def command_text(tok: Any, root: Path, preset: str | None, text: Path | None, tr
         corpus = prepare_corpus(load_stage_config(PrepareConfig, root, "prepare", preset or default_preset(root)))
         train_frame, val_frame = corpus.train, corpus.val
 
-    from tasks.common.models import token_stream
+    from tasks.zoo.models import token_stream
 
     return token_stream(tok, train_frame["text"], train_tokens), token_stream(tok, val_frame["text"], val_tokens + 1)
 
@@ -294,7 +294,7 @@ def save_model(model: Any, tok: Any, out: Path, record: dict[str, Any]) -> Path:
 
 
 def _ppl(model: Any, val: np.ndarray, seq_len: int, batch_size: int) -> float:
-    from tasks.evaluation.loss import evaluate_loss, perplexity
+    from tasks.lm.loss import evaluate_loss, perplexity
 
     return perplexity(evaluate_loss(model, val, seq_len, batch_size))
 
@@ -302,7 +302,7 @@ def _ppl(model: Any, val: np.ndarray, seq_len: int, batch_size: int) -> float:
 def prune_command(args: Any, root: Path) -> int:
     """``scalelab prune --model SPEC --method NAME [--set key=value ...] --out DIR``."""
     from tasks.common.config import to_dict
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
     from tasks.compression.pruning import PRUNERS, forward_flops_per_token, n_params, prune
 
     options = parse_options(args.set)
@@ -340,7 +340,7 @@ def prune_command(args: Any, root: Path) -> int:
 def distill_command(args: Any, root: Path) -> int:
     """``scalelab distill --teacher SPEC --student DIR --loss csd --data-select paser --out DIR``."""
     from tasks.common.config import to_dict
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
     from tasks.compression.distill import recover, token_windows
     from tasks.compression.pruning import RecoveryConfig, select_windows
 
@@ -357,7 +357,7 @@ def distill_command(args: Any, root: Path) -> int:
     k = max(1, round(rc.budget * len(windows)))
     embeddings = None
     if args.data_select == "paser" and k < len(windows):
-        from tasks.selection.embeddings import question_embeddings
+        from tasks.lm.embeddings import question_embeddings
 
         embeddings = question_embeddings(tok.decode_batch(windows.tolist()))
     chosen = select_windows(args.data_select, teacher, student, windows, k, rc, embeddings)

@@ -27,11 +27,11 @@ from tasks.common.config import to_dict
 from tasks.common.lineage import log_datasets
 from tasks.common.parallel import set_process_threads
 from tasks.common.tracking import RunRef, tracked_run
-from tasks.evaluation.loss import evaluate_loss, perplexity
+from tasks.lm.loss import evaluate_loss, perplexity
 from tasks.sparse.registry import SparseEvalConfig, sparsify
 from tasks.sparse.retrieval import RetrievalConfig, build_retrieval_set, retrieval_accuracy, score_retrieval
 from tasks.sparse.speed import measured_speedup
-from tasks.training.loop import load_model
+from tasks.zoo.ladder import load_model
 from tasks.training.tokenizer import load_tokens
 
 
@@ -85,7 +85,7 @@ def sparse_eval_pretrained(name: str, cfg: SparseEvalConfig, prepared: str, pare
     retrieval on items built from the validation text when ``retrieval`` is set."""
     import polars as pl
 
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
 
     set_process_threads(cfg.pretrained_num_threads)
     model, tok, meta = load_causal_lm(name)

@@ -40,10 +40,11 @@ from tasks.scaling.decisions import (
 )
 from tasks.scaling.joint import ExponentGrid, bootstrap_joint, fit_joint, point_differences
 from tasks.training.arms import training_arms
-from tasks.training.config import ModelShape, TrainingConfig
+from tasks.training.config import TrainingConfig
+from tasks.lm.model import ModelShape
 from tasks.training.design import RunSpec, ladder
 from tasks.training.loop import read_doc_losses, train_model
-from tasks.training.model import model_flops_per_token
+from tasks.lm.model import model_flops_per_token
 from tasks.training.tokenizer import load_tokens
 
 PREDICTIONS = "predictions.json"

@@ -11,7 +11,7 @@ the models it produced, logged by reference.
   context (``training``, ``evaluation``, ``output``).
 * **Source.** The code and params that made a run are tagged by :mod:`tasks.common.provenance`.
 * **Models.** :func:`log_model_ref` creates an MLflow 3 *logged model* whose artifacts are a pyfunc
-  (``tasks/common/mlflow_model.py``) of a few kB that loads the safetensors from the workdir: the
+  (``tasks/zoo/mlflow_model.py``) of a few kB that loads the safetensors from the workdir: the
   weights are not copied into the MLflow store. Its metrics carry the model id, so the Models tab
   compares them; :func:`register_alias` puts it in the Model Registry under an alias.
 """
@@ -237,7 +237,8 @@ def log_datasets(run: Any, refs: Iterable[DataRef] | None, context: str, *, atte
 # Models, logged by reference
 
 MODEL_KEY = "scalelab.model_key"
-MODEL_CODE = Path(__file__).with_name("mlflow_model.py")
+# The pyfunc's code file, logged with each model as text (MLflow "models from code"), never imported here.
+MODEL_CODE = Path(__file__).resolve().parents[1] / "zoo" / "mlflow_model.py"
 _TEMPLATE: dict[str, Path] = {}
 _TEMPLATE_LOCK = threading.Lock()
 
@@ -283,7 +284,7 @@ def log_model_ref(
 ) -> str:
     """Log the model ``loader`` describes as an MLflow logged model, output of ``run``; return its id.
 
-    ``loader`` is the pyfunc's ``model_config`` (:mod:`tasks.common.mlflow_model`): ``{"kind":
+    ``loader`` is the pyfunc's ``model_config`` (:mod:`tasks.zoo.mlflow_model`): ``{"kind":
     "trained", "model_dir": ...}``, ``{"kind": "compressed", "file": ..., "base_dir": ...,
     "bits": ...}`` or ``{"kind": "pruned", "model_dir": ...}`` with absolute paths. The weights stay where they are (a few kB are logged).
     ``metrics`` are logged on ``run`` with the model's id (and ``dataset``'s name and digest, the

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tasks.common.windows import token_windows
+from tasks.lm.windows import token_windows
 from tasks.compression.rtn import quantized_linears
 
 __all__ = ["quantized_linears", "calibration_windows", "model_seq_len", "decoder_blocks", "input_statistics", "by_block"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -29,8 +29,10 @@ from kernels.group_quant.reference import n_groups
 from tasks.common.config import require
 from tasks.common.registry import MethodSpec
 from tasks.compression._calib import calibration_windows, input_statistics, model_seq_len, quantized_linears
-from tasks.compression.packing import PackedWeights, packed_model, refuse_tied, with_unquantized
-from tasks.compression.registry import CompressedModel, diagnostic, register_dequantizer, register_method, unique_state
+from tasks.compression.packing import PackedWeights, packed_model, refuse_tied
+from tasks.compression.registry import register_method
+from tasks.zoo.compressed import CompressedModel, diagnostic, unique_state
+from tasks.zoo.decoders import anybcq_state, bcq_dequantize, reconstruct_planes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,11 +116,6 @@ def _solve_scales(x: torch.Tensor, m: torch.Tensor, planes: torch.Tensor, offset
     return alpha, z
 
 
-def _reconstruct(planes: torch.Tensor, alpha: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """(k, rows, groups, gs) planes, (rows, groups, k) scales, (rows, groups) offset -> (rows, groups, gs)."""
-    return z[..., None] + torch.einsum("prgs,rgp->rgs", planes, alpha)
-
-
 def _uniform_planes(x: torch.Tensor, m: torch.Tensor, bits: int, offset: bool) -> torch.Tensor:
     """The min–max uniform grid of ``bits`` bits per group (round-to-nearest's) written as BCQ planes.
 
@@ -186,7 +183,7 @@ def bcq_progressive(
         alpha, z = _solve_scales(x, fit_m, p, offset)
     scales = {k0: (alpha, z)}
     for k in range(k0 + 1, max_bits + 1):
-        residual = x - _reconstruct(p, alpha, z)
+        residual = x - reconstruct_planes(p, alpha, z)
         p = torch.cat([p, torch.where(residual >= 0, 1.0, -1.0)[None]])  # earlier planes frozen
         alpha, z = _solve_scales(x, fit_m, p, offset)
         scales[k] = (alpha, z)
@@ -201,25 +198,6 @@ def pack_planes(planes: torch.Tensor) -> torch.Tensor:
     bits = torch.nn.functional.pad((planes > 0).to(torch.int32), (0, nbytes * 8 - cols)).reshape(P, rows, nbytes, 8)
     weights = 1 << torch.arange(8, dtype=torch.int32)
     return (bits * weights).sum(-1).to(torch.uint8)
-
-
-def unpack_planes(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    """Inverse of :func:`pack_planes`: uint8 (P, rows, ceil(cols / 8)) -> float ±1 (P, rows, cols)."""
-    shifts = torch.arange(8, dtype=torch.uint8)
-    bits = ((packed[..., None] >> shifts) & 1).reshape(*packed.shape[:-1], -1)[..., :cols]
-    return bits.float() * 2 - 1
-
-
-def bcq_dequantize(planes: torch.Tensor, alpha: torch.Tensor, z: torch.Tensor, *, group_size: int,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``z + Σ_p α_p b_p`` per group: planes ±1 (k, rows, cols), alpha (rows, groups, k), z (rows, groups)."""
-    k, rows, cols = planes.shape
-    g = n_groups(cols, group_size)
-    if alpha.shape != (rows, g, k) or z.shape != (rows, g):
-        raise ValueError(f"scales: expected {(rows, g, k)} and offset {(rows, g)} for {k} planes of {(rows, cols)} "
-                         f"in groups of {group_size}, got {tuple(alpha.shape)} and {tuple(z.shape)}")
-    p = torch.nn.functional.pad(planes, (0, g * group_size - cols)).reshape(k, rows, g, group_size)
-    return _reconstruct(p, alpha.float(), z.float()).reshape(rows, -1)[:, :cols].to(dtype)
 
 
 def bits_per_weight(bits: int, group_size: int, offset: bool) -> float:
@@ -276,33 +254,8 @@ def compress_anybcq(model: nn.Module, cfg: AnyBCQConfig, *, calib_tokens: np.nda
                       artifact_bits_per_weight=artifact_bits / n_quantized if n_quantized else None,
                       weight_error={str(k): diagnostic((v / norm) ** 0.5) if norm else None for k, v in err.items()},
                       calib_windows=calib_windows)
-    state_k = dequantized_state(cm.tensors, cm.meta)
+    state_k = anybcq_state(cm.tensors, cm.meta)
     with torch.no_grad():
         for name, mod in targets:
             mod.weight.copy_(state_k[f"{name}.weight"])
     return cm
-
-
-@register_dequantizer("anybcq")
-def dequantized_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any], *, bits: int | None = None) -> dict[str, torch.Tensor]:
-    """Full state dict at precision ``bits`` (default: the artifact's ``bits``), reading planes ``1..bits`` only.
-
-    Raises ``ValueError`` for a precision the artifact does not hold or a tensor of the wrong shape.
-    """
-    bits = meta.get("bits") if bits is None else bits
-    available = sorted(int(k) for k in meta.get("precisions", {}))
-    if bits not in available:
-        raise ValueError(f"AnyBCQ artifact serves bits {available}, not {bits!r}")
-    state: dict[str, torch.Tensor] = {}
-    quantized = meta.get("quantized", {})
-    for key, spec in quantized.items():
-        rows, cols = spec["shape"]
-        packed = tensors[f"{key}.planes"]
-        if tuple(packed.shape) != (spec["max_bits"], rows, (cols + 7) // 8):
-            raise ValueError(f"{key}.planes: shape {tuple(packed.shape)} does not match {spec}")
-        planes = unpack_planes(packed[:bits], cols)
-        alpha = tensors[f"{key}.scales.{bits}"]
-        g = n_groups(cols, spec["group_size"])
-        z = tensors[f"{key}.offset.{bits}"] if spec.get("offset") else torch.zeros(rows, g)
-        state[key] = bcq_dequantize(planes, alpha, z, group_size=spec["group_size"], dtype=getattr(torch, spec["dtype"]))
-    return with_unquantized(state, tensors, meta)

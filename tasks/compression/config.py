@@ -10,7 +10,8 @@ from typing import Any
 
 from tasks.common.config import require
 from tasks.common.registry import MethodSpec
-from tasks.compression.registry import METHODS, PRETRAINED_MODELS, parse_settings
+from tasks.compression.registry import METHODS, parse_settings
+from tasks.zoo.models import PRETRAINED_MODELS
 
 
 @dataclass(frozen=True, kw_only=True)

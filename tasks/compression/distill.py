@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.common.config import require
-from tasks.common.windows import token_windows as common_token_windows
+from tasks.lm.windows import token_windows as common_token_windows
 
 LOSSES = ("csd", "kl", "dld")
 WEIGHT_SOURCES = ("student", "teacher", "uniform")
@@ -224,7 +224,7 @@ class RecoveryCurve:
 
 
 def token_windows(tokens: np.ndarray | torch.Tensor, seq_len: int) -> torch.Tensor:
-    """(n, T) int64 windows (:func:`tasks.common.windows.token_windows`), at least one of at least 2 tokens."""
+    """(n, T) int64 windows (:func:`tasks.lm.windows.token_windows`), at least one of at least 2 tokens."""
     windows = common_token_windows(tokens, seq_len)
     if windows.shape[0] == 0 or windows.shape[1] < 2:
         raise ValueError(f"tokens: no window of at least 2 tokens (shape {tuple(np.shape(tokens))}, seq_len {seq_len})")

@@ -15,7 +15,7 @@ original order; a group's scale and zero are fixed the first time one of its col
 per-column group index at no storage cost). Blocks are calibrated in order, each seeing the
 outputs of the already-quantized blocks before it (the paper's sequential setting).
 
-Stored exactly like RTN (``qweight``/``scales``/``zeros``), so :func:`tasks.compression.rtn.dequantized_state`
+Stored exactly like RTN (``qweight``/``scales``/``zeros``), so :func:`tasks.zoo.decoders.grouped_int_state`
 reads it and the same dequantize kernels serve both.
 
 When the damped Hessian is not positive definite (tiny calibration sets, dead inputs), the damping
@@ -38,10 +38,9 @@ from tasks.common.config import require
 from tasks.common.registry import MethodSpec
 from tasks.compression._calib import by_block, calibration_windows, input_statistics, model_seq_len, quantized_linears
 from tasks.compression.packing import PackedWeights, packed_model, refuse_tied
-from tasks.compression.registry import CompressedModel, diagnostic, register_dequantizer, register_method, unique_state
-from tasks.compression.rtn import dequantized_state, symmetric_quantize
-
-register_dequantizer("gptq")(dequantized_state)
+from tasks.compression.registry import register_method
+from tasks.compression.rtn import symmetric_quantize
+from tasks.zoo.compressed import CompressedModel, diagnostic, unique_state
 
 
 @dataclass(frozen=True, kw_only=True)

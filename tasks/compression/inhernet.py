@@ -359,7 +359,7 @@ def save_inhernet(model: nn.Module, folder: str | Path, meta: dict[str, Any] | N
     from safetensors.torch import save_file
 
     from tasks.common.io import atomic_dir
-    from tasks.compression.registry import unique_state
+    from tasks.zoo.compressed import unique_state
 
     layout = {n: {"in_features": m.in_features, "out_features": m.out_features, "rank": m.rank,
                   "heads": m.heads, "bias": m.bias is not None} for n, m in inher_linears(model).items()}

@@ -21,16 +21,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels.group_quant import pack_codes, packed_cols, unpack_codes
+from kernels.group_quant import pack_codes, packed_cols
 from kernels.group_quant.reference import n_groups
 from tasks.common.config import require
 from tasks.common.registry import MethodSpec
 from tasks.compression._calib import calibration_windows, decoder_blocks, model_seq_len, quantized_linears
-from tasks.compression.packing import PackedWeights, packed_model, refuse_tied, with_unquantized
-from tasks.compression.registry import CompressedModel, diagnostic, register_dequantizer, register_method, unique_state
-
-Scope = Literal["row", "group", "tensor"]
-
+from tasks.compression.packing import PackedWeights, packed_model, refuse_tied
+from tasks.compression.registry import register_method
+from tasks.zoo.compressed import CompressedModel, diagnostic, unique_state
+from tasks.zoo.decoders import LayerCode, Scope, decode_layer, nubitq_state
 
 @dataclass(frozen=True, kw_only=True)
 class NuBitQConfig(MethodSpec):
@@ -190,17 +189,6 @@ def _assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 # Codebook scopes: segments of a weight matrix sharing one codebook
 
 
-@dataclass
-class LayerCode:
-    """One quantized weight at ``bits``: ``codes`` uint8 (rows, cols), ``codebook`` fp32 on the fp16 grid
-    ((rows | rows*groups | 1), 2**bits), ``row_scale`` (rows,) or None."""
-
-    bits: int
-    codes: torch.Tensor
-    codebook: torch.Tensor
-    row_scale: torch.Tensor | None
-
-
 def _segments(w: torch.Tensor, imp: torch.Tensor, scope: Scope, group_size: int):
     """(values, weights) as (S, n) segments, and the row scale for ``tensor`` scope."""
     rows, cols = w.shape
@@ -236,19 +224,6 @@ def fit_layer_widths(w: torch.Tensor, imp: torch.Tensor, widths: tuple[int, ...]
         out[bits] = LayerCode(bits=bits, codes=codes.reshape(rows, -1)[:, :cols].to(torch.uint8), codebook=c,
                               row_scale=scale)
     return out
-
-
-def decode_layer(code: LayerCode, cols: int, scope: Scope, group_size: int) -> torch.Tensor:
-    """``codebook[segment, code]`` (times the row scale) -> (rows, cols) fp32."""
-    rows = code.codes.shape[0]
-    q = code.codes.long()
-    if scope == "row":
-        return torch.gather(code.codebook, 1, q)
-    if scope == "group":
-        g = n_groups(cols, group_size)
-        seg = torch.arange(rows)[:, None] * g + torch.arange(cols)[None, :] // group_size
-        return code.codebook[seg, q]
-    return code.codebook[0][q] * code.row_scale[:, None]
 
 
 def codebook_bits(rows: int, cols: int, bits: int, scope: Scope, group_size: int) -> int:
@@ -401,19 +376,6 @@ def to_csr(mask: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torc
     return values[r, c].half(), c.to(idx_dtype), rowptr
 
 
-def from_csr(values: torch.Tensor, cols_idx: torch.Tensor, rowptr: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`to_csr`: ``(row indices, column indices)`` and values, checked against ``shape``."""
-    rows, cols = shape
-    if rowptr.shape != (rows + 1,) or int(rowptr[-1]) != values.numel() or values.numel() != cols_idx.numel():
-        raise ValueError(f"outlier CSR: row pointers {tuple(rowptr.shape)}, {values.numel()} values and "
-                         f"{cols_idx.numel()} columns do not describe a {rows}x{cols} matrix")
-    r = torch.repeat_interleave(torch.arange(rows), (rowptr[1:] - rowptr[:-1]).long())
-    c = cols_idx.long()
-    if c.numel() and (int(c.min()) < 0 or int(c.max()) >= cols):
-        raise ValueError(f"outlier CSR: a column index is outside 0..{cols - 1}")
-    return r, c
-
-
 def branch_outputs(model: nn.Module) -> list[nn.Linear]:
     """The last ``nn.Linear`` of each residual branch in every decoder block (``o_proj``, ``down_proj``)."""
     blocks = decoder_blocks(model)
@@ -554,7 +516,7 @@ def compress_nubitq(model: nn.Module, cfg: NuBitQConfig, *, calib_tokens: np.nda
 
 
 def _load_into(qmodel: nn.Module, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    state = dequantized_state(tensors, meta)
+    state = nubitq_state(tensors, meta)
     with torch.no_grad():
         params = dict(qmodel.named_parameters())
         for key in meta["quantized"]:
@@ -585,34 +547,6 @@ def _block_correction(model: nn.Module, qmodel: nn.Module, windows: torch.Tensor
         gammas[key] = float((gamma - 1).abs().mean())
         _load_into(qmodel, tensors, meta)
     meta["block_correction_mean_abs_change"] = gammas
-
-
-@register_dequantizer("nubitq")
-def dequantized_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Full state dict from stored NuBitQ tensors: codebook lookups, row scales, then the exact outliers."""
-    state: dict[str, torch.Tensor] = {}
-    quantized = meta.get("quantized", {})
-    for key, spec in quantized.items():
-        rows, cols = spec["shape"]
-        bits, scope, gs = spec["bits"], spec["codebook"], spec["group_size"]
-        if not (isinstance(bits, int) and 1 <= bits <= 8):
-            raise ValueError(f"{key}: unknown bit width {bits!r} (NuBitQ stores 1..8)")
-        packed = tensors[f"{key}.codes"]
-        if tuple(packed.shape) != (rows, packed_cols(cols, bits)):
-            raise ValueError(f"{key}.codes: shape {tuple(packed.shape)} does not match {spec}")
-        segs = {"row": rows, "group": rows * n_groups(cols, gs), "tensor": 1}[scope]
-        book = tensors[f"{key}.codebook"].float()
-        if tuple(book.shape) != (segs, 2**bits):
-            raise ValueError(f"{key}.codebook: shape {tuple(book.shape)}, expected {(segs, 2**bits)} for {spec}")
-        code = LayerCode(bits=bits, codes=unpack_codes(packed, bits, cols), codebook=book,
-                         row_scale=tensors[f"{key}.row_scale"].float() if scope == "tensor" else None)
-        w = decode_layer(code, cols, scope, gs)
-        if spec.get("outliers"):
-            vals = tensors[f"{key}.outlier_values"]
-            r, c = from_csr(vals, tensors[f"{key}.outlier_cols"], tensors[f"{key}.outlier_rowptr"], (rows, cols))
-            w[r, c] = vals.float()
-        state[key] = w.to(getattr(torch, spec["dtype"]))
-    return with_unquantized(state, tensors, meta)
 
 
 def expected_bits_per_weight(rows: int, cols: int, bits: int, scope: Scope = "row", group_size: int = 128) -> float:

@@ -1,12 +1,12 @@
 """The packing epilogue the weight quantizers share (RTN, GPTQ, NuBitQ, AnyBCQ).
 
 Each quantizer chooses its codes its own way; what it then stores has one shape: the model's state
-dict with tied tensors once (:func:`~tasks.compression.registry.unique_state`), each quantized weight
+dict with tied tensors once (:func:`~tasks.zoo.compressed.unique_state`), each quantized weight
 ``<name>.weight`` replaced by its packed tensors ``<name>.weight.<part>``, and a ``meta`` holding the
 method, its resolved config, the per-weight layout, the tie map, the base model's fingerprint, the
 quantized parameter count and the stored bits per quantized weight. :class:`PackedWeights` collects
-the per-weight part, :func:`packed_model` assembles the :class:`~tasks.compression.registry.CompressedModel`,
-and :func:`with_unquantized` completes a method's dequantized state dict on loading.
+the per-weight part, :func:`packed_model` assembles the :class:`~tasks.zoo.compressed.CompressedModel`,
+and :func:`tasks.zoo.decoders.with_unquantized` completes a decoded state dict on loading.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from torch import nn
 from kernels.group_quant import pack_codes
 from tasks.common.config import to_dict
 from tasks.common.registry import MethodSpec
-from tasks.compression.registry import CompressedModel, base_fingerprint
+from tasks.zoo.compressed import CompressedModel, base_fingerprint
 
 
 def refuse_tied(targets: Iterable[tuple[str, nn.Module]], tied: Mapping[str, str]) -> None:
     """``ValueError`` naming the first target whose weight is tied to another tensor (``tied`` as
-    :func:`~tasks.compression.registry.unique_state` returns it): quantizing it would change both."""
+    :func:`~tasks.zoo.compressed.unique_state` returns it): quantizing it would change both."""
     for name, _ in targets:
         key = f"{name}.weight"
         if key in tied or key in tied.values():
@@ -75,21 +75,6 @@ class PackedWeights:
     def bits_per_weight(self) -> float | None:
         """``stored_bits / n_params``; None when nothing was quantized."""
         return self.stored_bits / self.n_params if self.n_params else None
-
-
-def with_unquantized(state: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor],
-                     meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`packed_model`'s tensors, once a method's dequantizer has put every quantized
-    weight into ``state``: adds every stored tensor that is no quantized weight's part, then points each
-    tied alias of ``meta["tied"]`` at its tensor again. Returns ``state``."""
-    quantized = meta.get("quantized", {})
-    for k, v in tensors.items():
-        base = k.split(".weight.", 1)[0] + ".weight" if ".weight." in k else None
-        if base is None or base not in quantized:
-            state[k] = v
-    for alias, target in meta.get("tied", {}).items():
-        state[alias] = state[target]
-    return state
 
 
 def packed_model(base: nn.Module, qmodel: nn.Module, state: Mapping[str, torch.Tensor], tied: dict[str, str],

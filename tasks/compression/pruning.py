@@ -37,7 +37,7 @@ from tasks.common.registry import MethodSpec
 from tasks.compression.distill import LOSSES, DistillConfig, recover, token_windows
 from tasks.compression.paser import PaserConfig, paser_select, random_select, sample_degradation
 from tasks.compression.registry import PRUNERS
-from tasks.evaluation.loss import evaluate_loss, perplexity
+from tasks.lm.loss import evaluate_loss, perplexity
 
 # The recovery losses a params file may name: (distill loss, CSD weighting).
 RECOVERY_LOSSES = {"csd": ("csd", "mode_seeking"), "csd_cover": ("csd", "mode_covering"),
@@ -182,7 +182,7 @@ class PruningConfig:
     pretrained_num_threads: int = 2
 
     def __post_init__(self) -> None:
-        from tasks.compression.registry import PRETRAINED_MODELS
+        from tasks.zoo.models import PRETRAINED_MODELS
 
         require(len(self.settings) > 0, "settings", "needs at least one setting")
         PRUNERS.validate_section(self.settings, self.enabled)
@@ -328,7 +328,7 @@ def prune_rows(
     if any(select == "paser" for setting in settings for _, select in recovery.runs(setting)):
         if texts is None:
             raise ValueError("recovery.data_select names paser, which needs the windows' text (texts=)")
-        from tasks.selection.embeddings import question_embeddings
+        from tasks.lm.embeddings import question_embeddings
 
         embeddings = question_embeddings(texts(windows))
     teacher = CachedTeacher(model)

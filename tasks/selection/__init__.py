@@ -2,7 +2,7 @@
 Filtering; the DDCF paper; public code iNLP-Lab/DDCF).
 
 * :mod:`~tasks.selection.config`: :class:`~tasks.selection.config.SelectConfig` and the configs it holds;
-* :mod:`~tasks.selection.embeddings`: the frozen all-MiniLM-L6-v2 question embeddings;
+* :mod:`~tasks.lm.embeddings`: the frozen all-MiniLM-L6-v2 question embeddings;
 * :mod:`~tasks.selection.predictor`: the correctness predictor and the target's difficulty;
 * :mod:`~tasks.selection.selection`: the greedy difficulty–diversity selection and its baselines;
 * :mod:`~tasks.selection.finetune`: fine-tuning the target on a selection;

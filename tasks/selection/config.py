@@ -146,7 +146,7 @@ class PoolVariant:
 
 def parse_pool_variant(tag: str, *, field: str = "pool") -> PoolVariant | None:
     """``"rtn3"``, ``"rtn2g32"``, ``"drop4"``, ``"drop4+rtn3"`` -> a :class:`PoolVariant`; a model
-    spec for :func:`tasks.common.models.load_causal_lm` (a path, with ``/``, or ``smollm2``) -> None;
+    spec for :func:`tasks.zoo.models.load_causal_lm` (a path, with ``/``, or ``smollm2``) -> None;
     anything else raises ``ValueError`` naming ``field``.
 
     >>> parse_pool_variant("drop4+rtn3g128")
@@ -294,7 +294,7 @@ def parse_shape(tag: str, *, field: str = "shape"):
     >>> parse_shape("d48_l2").n_heads
     4
     """
-    from tasks.training.config import ModelShape
+    from tasks.lm.model import ModelShape
 
     head, _, tail = tag.partition("_l")
     if not (head.startswith("d") and head[1:].isdigit() and tail.isdigit()):

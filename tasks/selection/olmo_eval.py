@@ -20,7 +20,7 @@ the questions, the models and the fine-tuning loss of setting (b)
   removed by cosine_drop (:func:`tasks.compression.block_pruning.angular_scores`, scored once on the
   target with windows cut from the pool's question text, then
   :func:`~tasks.compression.block_pruning.prune_by_scores`), or both; and any other model
-  :func:`tasks.common.models.load_causal_lm` reads (a ladder folder: scored with its own tokenizer,
+  :func:`tasks.zoo.models.load_causal_lm` reads (a ladder folder: scored with its own tokenizer,
   items too long for its window left unobserved, -1). The default pool for SmolLM2-135M is
   ``rtn4, rtn3, rtn2g32, drop2, drop6, drop4+rtn3`` (group 64 unless ``g``).
   The target itself is not in the pool: it is seen only on the seed set.
@@ -55,7 +55,7 @@ from torch import nn
 from tasks.evaluation.requests import TaskItem, encode_items, load_requests
 from tasks.evaluation.scoring import item_results, score_encoded
 from tasks.selection.config import OlmoEvalSetting, PoolVariant, SelectConfig, parse_pool_variant
-from tasks.selection.embeddings import question_embeddings
+from tasks.lm.embeddings import question_embeddings
 from tasks.selection.finetune import EncodedQA, finetune_on
 from tasks.selection.predictor import roc_auc, target_difficulty
 from tasks.selection.selection import labels_used, selections
@@ -235,14 +235,14 @@ def run_olmo_eval_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]],
 
     ``embed`` maps question texts to (n, dim) embeddings (default :func:`question_embeddings`);
     ``load_model(spec) -> (model, tokenizer, meta)`` defaults to
-    :func:`tasks.common.models.load_causal_lm`. ``correctness``: rows from an earlier run's
+    :func:`tasks.zoo.models.load_causal_lm`. ``correctness``: rows from an earlier run's
     ``result.correctness`` under the same :func:`correctness_fingerprint` (keys ``pool:<tag>``,
     ``target:seed``, ``target:test``, ``target:pool``), reused instead of scored again (scoring
     the pool costs minutes on a CPU; a benchmark split over several runs passes them on). Metrics
     are keyed ``olmo_eval.<...>``, timings (seconds) ``olmo_eval.seconds.<piece>``. Deterministic
     for a given config and thread count.
     """
-    from tasks.common.models import load_causal_lm, token_stream
+    from tasks.zoo.models import load_causal_lm, token_stream
 
     st = cfg.olmo_eval
     embed = embed or (lambda t: question_embeddings(t, cfg.embed_batch_size))

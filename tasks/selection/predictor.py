@@ -2,7 +2,7 @@
 public code iNLP-Lab/DDCF) and the target's difficulty it yields.
 
 A learned embedding ``u_m`` per model and a frozen sentence embedding ``e_q`` per question
-(:func:`tasks.selection.embeddings.question_embeddings`), each through residual MLP blocks,
+(:func:`tasks.lm.embeddings.question_embeddings`), each through residual MLP blocks,
 ``h_m = R_m(u_m)``, ``h_q = R_q(W e_q)``, then a linear 2-class head on ``h_m ⊙ h_q``:
 ``P(correct | m, q) = softmax(W_o (h_m ⊙ h_q) + b_o)[1]`` (:class:`DDCFPredictor`). Trained by
 cross-entropy on the correctness matrix's observed cells, with Gaussian noise ``α · N(0, I)`` added
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.selection.config import PredictorConfig
-from tasks.selection.embeddings import EMBED_DIM
+from tasks.lm.embeddings import EMBED_DIM
 
 
 class ResidualBlock(nn.Module):

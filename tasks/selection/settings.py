@@ -11,7 +11,7 @@ trades difficulty against redundancy; the target is fine-tuned on each selection
 Setting (a), implemented here (:func:`run_arithmetic_setting`): a generated question family with
 controllable difficulty, multi-digit addition and subtraction (``"347+58="`` → ``"405"``; the
 number of digits sets the difficulty). The pool models are the training ladder's Llama shapes
-(:func:`tasks.training.model.build_model`, byte-level tokenizer from
+(:func:`tasks.lm.model.build_model`, byte-level tokenizer from
 :func:`tasks.training.tokenizer.train_tokenizer` with no merges) trained from scratch on the family,
 each with its own operations, seed and number of steps (snapshots of one run), so they differ in
 what they get right. The target is another shape, trained briefly on both operations, then seen
@@ -49,7 +49,7 @@ from torch import nn
 
 from tasks.common.parallel import map_processes
 from tasks.selection.config import QuestionFamily, SelectConfig, parse_shape
-from tasks.selection.embeddings import question_embeddings
+from tasks.lm.embeddings import question_embeddings
 from tasks.selection.finetune import EncodedQA, finetune_on, train_on_questions
 from tasks.selection.predictor import roc_auc, target_difficulty
 from tasks.selection.selection import labels_used, selections
@@ -102,7 +102,7 @@ def byte_tokenizer():
 
 def encode_qa(tokenizer, questions: Sequence[str], answers: Sequence[str], seq_len: int) -> EncodedQA:
     """Encode question/answer pairs for teacher-forced training and exact-match scoring."""
-    from tasks.training.tokenizer import eos_id
+    from tasks.lm.tokenizer import eos_id
 
     eos = eos_id(tokenizer)
     n = len(questions)
@@ -182,7 +182,7 @@ def _pool_model_snapshots(shape_tag: str, ops: str, run_seed: int, cfg: SelectCo
                           seed_set: EncodedQA) -> list[tuple[int, np.ndarray]]:
     """Train one pool model of setting (a) on the ``ops`` questions of the family and return its
     exact-match row on ``seed_set`` at every snapshot step (a worker process's job)."""
-    from tasks.training.model import build_model
+    from tasks.lm.model import build_model
 
     torch.set_num_threads(cfg.num_threads)
     tok = byte_tokenizer()
@@ -203,7 +203,7 @@ def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]]
     ``embed`` maps question texts to (n, dim) embeddings (default :func:`question_embeddings`).
     Deterministic for a given config and thread count.
     """
-    from tasks.training.model import build_model
+    from tasks.lm.model import build_model
 
     embed = embed or (lambda t: question_embeddings(t, cfg.embed_batch_size))
     torch.set_num_threads(cfg.num_threads)

@@ -32,7 +32,7 @@ from torch import nn
 
 from tasks.common.config import require
 from tasks.common.registry import MethodRegistry, MethodSpec, RegisteredMethod
-from tasks.compression.registry import PRETRAINED_MODELS
+from tasks.zoo.models import PRETRAINED_MODELS
 from tasks.sparse.retrieval import RetrievalConfig
 
 SiteFn = Callable[[torch.Tensor], torch.Tensor]

@@ -93,7 +93,7 @@ def build_retrieval_set(tok: Any, texts: Sequence[str], cfg: RetrievalConfig) ->
     """Items for every (length, depth) of ``cfg``, ``items_per_depth`` each, a function of ``cfg.seed``.
 
     ``tok``: a tokenizer with ``encode(text, add_special_tokens=False)`` and ``decode_batch``
-    (:class:`tasks.evaluation.tokenizer.TokenizerAdapter`). ``texts``: held-out documents, joined
+    (:class:`tasks.lm.tokenizer.TokenizerAdapter`). ``texts``: held-out documents, joined
     with blank lines into one filler stream from which each item takes a random span. Raises
     ``ValueError`` when the texts are shorter than the longest haystack."""
     rng = np.random.default_rng(cfg.seed)

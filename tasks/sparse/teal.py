@@ -39,7 +39,7 @@ from torch import nn
 
 from tasks.common.config import require
 from tasks.common.patterns import matches_any
-from tasks.common.windows import token_windows
+from tasks.lm.windows import token_windows
 from tasks.sparse.registry import ActivationSparsity, SparseMethodSpec, register_sparsifier
 
 

@@ -6,7 +6,7 @@ document (``tasks.scaling.decisions``):
 
 * ``+repb`` (``repb.compare``): RePB dynamic data pruning on (:mod:`tasks.training.repb`);
 * ``+<arch>`` (``arch_compare``): the other architecture (``+xlstm`` when ``arch: llama``,
-  ``+llama`` when ``arch: xlstm``; :mod:`tasks.training.model`), without RePB.
+  ``+llama`` when ``arch: xlstm``; :mod:`tasks.lm.model`), without RePB.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""The `training:` section of params/training.yaml: model shapes, the token ladder, optimiser and RePB.
-
-Shape rule (one rule for every rung, so the ladder varies N smoothly):
-
-* ``head_dim = d_model / n_heads`` must be an even integer (RoPE rotates pairs);
-* ``n_kv_heads`` defaults to ``n_heads`` (plain multi-head attention);
-* the SwiGLU width is ``intermediate_size = ffn_multiple_of * ceil(ffn_mult * d_model / ffn_multiple_of)``
-  with ``ffn_mult = 8/3`` and ``ffn_multiple_of = 32`` by default — LLaMA's rule (Touvron et al., 2023),
-  which keeps the SwiGLU MLP's 3 matrices at the parameter count of a 4x GELU MLP's 2.
+"""The `training:` section of params/training.yaml: model shapes (:class:`tasks.lm.model.ModelShape`),
+the token ladder, optimiser and RePB.
 
 Load with ``load_stage_config(TrainingConfig, root, "training", preset)``.
 """
@@ -18,51 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tasks.common.config import require
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelShape:
-    """Width and depth of one rung of the ladder (see the module docstring for the shape rule)."""
-
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int | None = None  # None: equal to n_heads (no grouped-query attention)
-    ffn_mult: float = 8.0 / 3.0
-    ffn_multiple_of: int = 32
-
-    def __post_init__(self) -> None:
-        require(self.d_model > 0, "d_model", f"must be positive, got {self.d_model}")
-        require(self.n_layers > 0, "n_layers", f"must be positive, got {self.n_layers}")
-        require(self.n_heads > 0, "n_heads", f"must be positive, got {self.n_heads}")
-        require(self.d_model % self.n_heads == 0, "n_heads",
-                f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
-        require((self.d_model // self.n_heads) % 2 == 0, "n_heads",
-                f"head_dim {self.d_model // self.n_heads} must be even (RoPE rotates pairs of channels)")
-        if self.n_kv_heads is not None:
-            require(self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
-                    f"must divide n_heads {self.n_heads}, got {self.n_kv_heads}")
-        require(self.ffn_mult > 0, "ffn_mult", f"must be positive, got {self.ffn_mult}")
-        require(self.ffn_multiple_of > 0, "ffn_multiple_of", f"must be positive, got {self.ffn_multiple_of}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-
-    @property
-    def intermediate_size(self) -> int:
-        """SwiGLU hidden width: ``ffn_mult * d_model`` rounded up to a multiple of ``ffn_multiple_of``."""
-        m = self.ffn_multiple_of
-        return m * math.ceil(self.ffn_mult * self.d_model / m - 1e-9)
-
-    @property
-    def tag(self) -> str:
-        """Short name used in run names, e.g. ``d64_l2``."""
-        return f"d{self.d_model}_l{self.n_layers}"
+from tasks.lm.model import ModelShape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,7 +102,7 @@ class TrainingConfig:
     """Everything the train stage needs: the ladder's design and one recipe for all rungs.
 
     **Design.** Either a grid — every size x every ``token_budgets`` entry — or an IsoFLOP design:
-    ``compute_budgets`` (training FLOPs, :func:`tasks.training.model.model_flops_per_token`
+    ``compute_budgets`` (training FLOPs, :func:`tasks.lm.model.model_flops_per_token`
     convention) with ``sizes_per_budget`` sizes per budget, chosen from ``sizes`` around the
     expected optimum ``tokens_per_param_guess`` and trained on ``D = C / flops_per_token(N)``
     (``C / 6N`` when attention is negligible), so Approach 2 sees a parabola at every level and

@@ -4,7 +4,7 @@ Two designs (:class:`~tasks.training.config.TrainingConfig`):
 
 * **grid** — every size x every ``token_budgets`` entry;
 * **IsoFLOP** — for each compute budget C (FLOPs under the one convention of
-  :func:`tasks.training.model.model_flops_per_token`), ``sizes_per_budget`` consecutive sizes of
+  :func:`tasks.lm.model.model_flops_per_token`), ``sizes_per_budget`` consecutive sizes of
   ``sizes`` centred on the size whose tokens per parameter at C is closest to
   ``tokens_per_param_guess``, each trained on ``D = C / flops_per_token(N)`` tokens (Hoffmann et
   al. 2022, Approach 2's IsoFLOP profiles). ``flops_per_token = 6 N_total + 12 L T d``, so this is
@@ -24,8 +24,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tasks.common.config import to_dict
-from tasks.training.config import ModelShape, TrainingConfig
-from tasks.training.model import model_flops_per_token, parameter_counts
+from tasks.training.config import TrainingConfig
+from tasks.lm.model import ModelShape
+from tasks.lm.model import model_flops_per_token, parameter_counts
 
 
 @dataclass(frozen=True, kw_only=True)

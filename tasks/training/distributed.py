@@ -64,18 +64,8 @@ from tasks.common.faults import fault_point
 from tasks.common.io import read_json, write_json
 from tasks.common.parallel import set_process_threads
 from tasks.training.config import TrainingConfig
-from tasks.training.loop import (
-    MetricsCallback,
-    ProgressCallback,
-    RunSpec,
-    TrainResult,
-    _checkpoint_files,
-    load_checkpoint,
-    remove_older_checkpoints,
-    save_checkpoint,
-    train_model,
-    train_size_wsd,
-)
+from tasks.training.loop import MetricsCallback, ProgressCallback, RunSpec, TrainResult, train_model, train_size_wsd
+from tasks.training.checkpoint import checkpoint_files, load_checkpoint, remove_older_checkpoints, save_checkpoint
 from tasks.training.tokenizer import load_tokens
 
 
@@ -123,7 +113,7 @@ class DataParallel:
 
     Hooks :class:`tasks.training.loop._Trainer` calls: :meth:`wrap`, :meth:`micro_batches`,
     :meth:`grad_sync`, :meth:`sum_loss`, :meth:`save_checkpoint` / :meth:`load_checkpoint`
-    (signatures of :func:`tasks.training.loop.save_checkpoint` / ``load_checkpoint``),
+    (signatures of :func:`tasks.training.checkpoint.save_checkpoint` / ``load_checkpoint``),
     :meth:`full_state_dict` and :meth:`barrier`.
     """
 
@@ -209,7 +199,7 @@ class DataParallel:
         """The newest complete checkpoint of ``ckpt_dir`` into this rank's model and optimizer."""
         if self.mode != "fsdp":
             return load_checkpoint(ckpt_dir, model, optimizer)
-        files = _checkpoint_files(ckpt_dir) if ckpt_dir.exists() else []
+        files = checkpoint_files(ckpt_dir) if ckpt_dir.exists() else []
         if not files:
             return None
         step, path, js_path = files[-1]

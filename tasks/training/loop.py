@@ -24,7 +24,7 @@ Outputs in ``out_dir``::
     result.json          TrainResult; its presence marks the run complete (a sweep skips it)
 
 The point's ``val_loss`` is the final model's mean loss over the *whole* validation split, scored
-once at the end (:func:`tasks.evaluation.loss.token_losses` with no token limit); that one pass
+once at the end (:func:`tasks.lm.loss.token_losses` with no token limit); that one pass
 also gives the per-source and per-document losses. The curve in ``history`` (and every
 ``val_loss`` passed to ``on_metrics``) stays on the first ``eval_tokens``, which is cheap to
 score every ``eval_interval`` steps.
@@ -51,17 +51,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import polars as pl
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tasks.common.config import to_dict
-from tasks.common.faults import fault_point
 from tasks.common.io import atomic_path, read_json, write_json
-from tasks.evaluation.loss import evaluate_loss, loss_by_document, loss_by_group, perplexity, target_indices, token_losses
+from tasks.lm.model import build_model, peak_flops
+from tasks.lm.loss import evaluate_loss, loss_by_document, loss_by_group, perplexity, target_indices, token_losses
+from tasks.training.checkpoint import checkpoint_files, load_checkpoint, save_checkpoint
 from tasks.training.config import TrainingConfig
 from tasks.training.design import RunSpec, ladder, lr_at, run_name, stable_steps  # noqa: F401  (re-exported)
-from tasks.training.model import build_model, peak_flops
 from tasks.training.repb import RePBSelector, weighted_step_loss
+from tasks.zoo.ladder import CONFIG_FILE, load_model, write_weights
 
 MetricsCallback = Callable[[dict[str, float], int], None]
 ProgressCallback = Callable[[int, int], None]
@@ -152,7 +152,7 @@ class TrainResult:
     ``val_tokens`` scored targets (whole windows of ``seq_len``); ``history``'s validation losses
     are on the first ``eval_tokens`` only, so its last entry differs from ``val_loss``.
 
-    Accounting (one convention, :func:`tasks.training.model.model_flops_per_token`):
+    Accounting (one convention, :func:`tasks.lm.model.model_flops_per_token`):
     ``n_params`` non-embedding N, ``n_params_total`` every weight, ``flops_total`` =
     ``flops_per_token * tokens`` (the run's training FLOPs, whether or not a WSD branch shared its
     first ``shared_steps`` steps with its stable run), ``epochs`` = tokens / the variant's
@@ -246,96 +246,6 @@ def _optimizer(model: nn.Module, cfg: TrainingConfig, device: torch.device) -> t
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs: dict[str, Any] = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8, **kwargs)
-
-
-def _checkpoint_files(ckpt_dir: Path) -> list[tuple[int, Path, Path]]:
-    """Complete checkpoints (both parts present), oldest first. The JSON is written last.
-
-    The tensors are ``state-<step>.safetensors``, or a ``state-<step>.dcp/`` folder of
-    ``torch.distributed.checkpoint`` shards when FSDP wrote it (:mod:`tasks.training.distributed`).
-    """
-    out = []
-    for js in ckpt_dir.glob("state-*.json"):
-        st = js.with_suffix(".safetensors")
-        if not st.exists():
-            st = js.with_suffix(".dcp")
-        try:
-            step = int(js.stem.split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if st.exists():
-            out.append((step, st, js))
-    return sorted(out)
-
-
-def remove_older_checkpoints(ckpt_dir: Path, step: int) -> None:
-    """Delete every complete checkpoint of ``ckpt_dir`` but ``step``'s (once ``step``'s is complete)."""
-    for old_step, old_st, old_js in _checkpoint_files(ckpt_dir):
-        if old_step != step:
-            old_js.unlink(missing_ok=True)
-            if old_st.is_dir():
-                shutil.rmtree(old_st, ignore_errors=True)
-            else:
-                old_st.unlink(missing_ok=True)
-
-
-def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    meta: dict[str, Any], extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write ``state-<step>.safetensors`` (model + AdamW tensors) then ``state-<step>.json``, atomically.
-
-    AdamW's per-parameter state ``{exp_avg, exp_avg_sq, step}`` is flattened to tensors named
-    ``optim.<param index>.<key>``; its param groups and non-tensor state go in the JSON. Older
-    checkpoints are removed once the new one is complete.
-    """
-    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    sd = optimizer.state_dict()
-    scalar_state: dict[str, dict[str, Any]] = {}
-    for idx, st in sd["state"].items():
-        for key, value in st.items():
-            if torch.is_tensor(value):
-                tensors[f"optim.{idx}.{key}"] = value.detach().cpu().contiguous()
-            else:
-                scalar_state.setdefault(str(idx), {})[key] = value
-    for k, v in (extra_tensors or {}).items():
-        tensors[k] = v.detach().cpu().contiguous()
-    st_path = ckpt_dir / f"state-{step:08d}.safetensors"
-    with atomic_path(st_path) as tmp:
-        save_file(tensors, str(tmp), metadata={"step": str(step)})
-    fault_point("train.checkpoint")
-    js_path = write_json(ckpt_dir / f"state-{step:08d}.json", {
-        **meta, "step": step, "optim_param_groups": sd["param_groups"], "optim_scalar_state": scalar_state,
-    })
-    remove_older_checkpoints(ckpt_dir, step)
-    return js_path
-
-
-def load_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
-                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
-    """Restore the newest complete checkpoint into ``model`` and ``optimizer``.
-
-    Returns ``(meta, other_tensors)`` — the JSON and tensors not belonging to model or optimizer —
-    or None when there is none.
-    """
-    files = _checkpoint_files(ckpt_dir) if ckpt_dir.exists() else []
-    if not files:
-        return None
-    step, st_path, js_path = files[-1]
-    if st_path.suffix == ".dcp":
-        raise ValueError(f"{st_path}: a sharded checkpoint written under training.parallel: fsdp; resume it with "
-                         "parallel: fsdp, or delete it to restart this run")
-    meta = read_json(js_path)
-    tensors = load_file(str(st_path), device="cpu")
-    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True)
-    state: dict[int, dict[str, Any]] = {}
-    for k, v in tensors.items():
-        if k.startswith("optim."):
-            _, idx, key = k.split(".", 2)
-            state.setdefault(int(idx), {})[key] = v
-    for idx, scalars in meta["optim_scalar_state"].items():
-        state.setdefault(int(idx), {}).update(scalars)
-    optimizer.load_state_dict({"state": state, "param_groups": meta["optim_param_groups"]})
-    others = {k: v for k, v in tensors.items() if not k.startswith(("model.", "optim."))}
-    return meta, others
 
 
 # --------------------------------------------------------------------------------------------
@@ -632,7 +542,7 @@ def score_validation(model: nn.Module, val_tokens: np.ndarray, seq_len: int, bat
 
     ``val_groups`` / ``val_docs``: shape of ``val_tokens``, a label (source) / document index per
     token; each scored loss is attributed to the token it predicts (:func:`target_indices`).
-    Per document (:func:`tasks.evaluation.loss.loss_by_document`) the table keeps sums, so
+    Per document (:func:`tasks.lm.loss.loss_by_document`) the table keeps sums, so
     ``doc_losses["loss_sum"].sum() / doc_losses["tokens"].sum() == val_loss`` up to rounding.
     """
     losses = token_losses(model, val_tokens, seq_len, batch_size, None, device)
@@ -688,7 +598,7 @@ def train_model(
     Per optimizer step: ``grad_accum`` micro-batches of ``batch_size`` x ``seq_len`` tokens, mean
     next-token cross-entropy (RePB-weighted over the whole step when ``cfg.repb.enabled``),
     global-norm clipping, AdamW (fused on CUDA) at :func:`lr_at`. bf16 autocast on CUDA, fp32 on
-    CPU. Validation loss (:func:`tasks.evaluation.loss.evaluate_loss` on the first ``eval_tokens``)
+    CPU. Validation loss (:func:`tasks.lm.loss.evaluate_loss` on the first ``eval_tokens``)
     every ``eval_interval`` steps and at the end (the curve); the point's ``val_loss`` is the final
     model's mean over the whole validation split (:func:`score_validation`, one pass).
     ``val_groups`` (shape of ``val_tokens``, a label per token such as its source) adds the final
@@ -728,7 +638,7 @@ def train_model(
 
     trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device, val_groups, val_docs, parallel)
     ckpt_dir = out_dir / "checkpoint"
-    config_path = out_dir / "config.json"
+    config_path = out_dir / CONFIG_FILE
     if config_path.exists() and read_json(config_path).get("fingerprint") != fingerprint:
         raise ValueError(f"{config_path}: an unfinished run of a different config or spec is in "
                          f"{out_dir}; delete it to retrain")
@@ -748,9 +658,7 @@ def train_model(
     weights = parallel.full_state_dict(trainer.model) if parallel is not None else trainer.model.state_dict()
     if main:
         if not trainer.diverged:
-            with atomic_path(out_dir / "model.safetensors") as tmp:
-                save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp),
-                          metadata={"format": "pt", "name": spec.name})
+            write_weights(out_dir, weights, name=spec.name)
             if trainer.doc_losses is not None:
                 write_doc_losses(out_dir / DOC_LOSSES_FILE, trainer.doc_losses)
         write_json(result_path, {**result.to_dict(), "fingerprint": fingerprint})
@@ -794,13 +702,13 @@ def train_stable(spec: RunSpec, cfg: TrainingConfig, train_tokens: np.ndarray, v
     if marker.exists():
         done = read_json(marker)
         if (done.get("fingerprint") == fingerprint and set(points) <= set(done.get("branch_points", []))
-                and all(_checkpoint_files(branches / f"{p:08d}") for p in points)):
+                and all(checkpoint_files(branches / f"{p:08d}") for p in points)):
             return branches
     trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device, parallel=parallel)
     ckpt_dir = stable_dir / "checkpoint"
     trainer.restore(ckpt_dir, fingerprint, "stable-run")
     # a branch point already passed by a checkpoint from an older ladder is not in branches/: restart
-    if any(p <= trainer.step and not _checkpoint_files(branches / f"{p:08d}") for p in points):
+    if any(p <= trainer.step and not checkpoint_files(branches / f"{p:08d}") for p in points):
         trainer = _Trainer(spec, cfg, train_tokens, val_tokens, device, parallel=parallel)
     trainer.run(points[-1], fingerprint=fingerprint, ckpt_dir=ckpt_dir, on_metrics=None, progress=progress,
                 keep_steps=points, keep_dir=branches)
@@ -851,56 +759,3 @@ def train_size_wsd(specs: list[RunSpec], cfg: TrainingConfig, train_tokens: np.n
     if not keep_stable and (parallel is None or parallel.is_main):
         shutil.rmtree(Path(stable_dir) / "branches", ignore_errors=True)
     return results
-
-
-def check_weights(path: Path, model: nn.Module) -> None:
-    """Refuse ``path`` before loading when it cannot be the weights of ``model``.
-
-    Reads only the safetensors header (the library checks it against the file's size, so a
-    truncated file fails here) and compares every tensor's name, shape and dtype with the model
-    built from config.json. ``ValueError`` names the file and the first difference.
-    """
-    from safetensors import safe_open
-
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: weights not found")
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            stored = {k: (tuple(fh.get_slice(k).get_shape()), fh.get_slice(k).get_dtype()) for k in fh.keys()}
-    except Exception as exc:  # noqa: BLE001 — safetensors raises its own error types for bad headers
-        raise ValueError(f"{path}: not a readable safetensors file, truncated or tampered ({exc})") from None
-    expected = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.state_dict().items()}
-    names = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64"}
-    for key in sorted(expected.keys() | stored.keys()):
-        if key not in stored:
-            raise ValueError(f"{path}: no tensor {key!r}, which config.json's model has")
-        if key not in expected:
-            raise ValueError(f"{path}: tensor {key!r} is not in config.json's model")
-        shape, dtype = stored[key]
-        if shape != expected[key][0]:
-            raise ValueError(f"{path}: {key} has shape {list(shape)}, config.json's model expects "
-                             f"{list(expected[key][0])} (config.json does not match the weights)")
-        if names.get(dtype, dtype) != expected[key][1]:
-            raise ValueError(f"{path}: {key} is {dtype}, config.json's model expects {expected[key][1]}")
-
-
-def load_model(out_dir: str | Path, device: torch.device | str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
-    """Rebuild a trained model from ``config.json`` + ``model.safetensors`` (no pickle).
-
-    Returns ``(model in eval mode, meta)``; ``meta`` is config.json's record (``arch``, ``vocab_size``,
-    ``seq_len``, ``spec``, ``training``, ``model_config``) plus ``result`` when result.json exists.
-    """
-    out_dir = Path(out_dir)
-    meta = read_json(out_dir / "config.json")
-    try:
-        spec = RunSpec.from_dict(meta["spec"])
-        model = build_model(spec.shape, meta["vocab_size"], meta["seq_len"], meta["arch"], seed=0)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{out_dir / 'config.json'}: not a trained model's config ({type(exc).__name__}: {exc})") from None
-    weights = out_dir / "model.safetensors"
-    check_weights(weights, model)
-    model.load_state_dict(load_file(str(weights), device="cpu"), strict=True)
-    model.to(device).eval()
-    if (out_dir / "result.json").exists():
-        meta["result"] = read_json(out_dir / "result.json")
-    return model, meta

@@ -4,7 +4,7 @@
 point on its own; ``wsd`` trains one stable run per size to its last branch point plus each
 branch's cooldown (Hägele et al. 2024), so a size costs ``max(decay_start) + sum(steps -
 decay_start)`` steps rather than ``sum(steps)``. FLOPs use the one convention of
-:func:`tasks.training.model.model_flops_per_token` (``6 N + 12 L T d`` per token).
+:func:`tasks.lm.model.model_flops_per_token` (``6 N + 12 L T d`` per token).
 
 :func:`time_optimizer_steps` measures seconds per optimizer step of a rung here (a few AdamW steps on
 random tokens, after one warm-up step); :func:`StepTimes.seconds` interpolates the other rungs
@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from tasks.training.arms import training_arms
-from tasks.training.config import ModelShape, TrainingConfig
+from tasks.training.config import TrainingConfig
+from tasks.lm.model import ModelShape
 from tasks.training.design import RunSpec, arch_specs, seed_sizes
 from tasks.training.feasibility import trainable_tokens
-from tasks.training.model import build_model, model_flops_per_token
+from tasks.lm.model import build_model, model_flops_per_token
 
 # The most FLOPs one timed step may cost (a few seconds on a CPU core); a larger rung is timed on
 # fewer sequences per step and scaled up, one too large even for one sequence is not timed.

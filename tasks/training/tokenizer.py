@@ -14,9 +14,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tasks.common.io import atomic_path
-
-EOS = "<|endoftext|>"
-
+from tasks.lm.tokenizer import EOS, eos_id
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE of at most ``vocab_size`` tokens (256 bytes + EOS + merges).
@@ -44,13 +42,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def eos_id(tokenizer: Tokenizer) -> int:
-    i = tokenizer.token_to_id(EOS)
-    if i is None:
-        raise ValueError(f"tokenizer has no {EOS} token")
-    return i
-
-
 def _batches(texts: Iterable[str], n: int) -> Iterator[list[str]]:
     it = iter(texts)
     while batch := list(islice(it, n)):
@@ -67,7 +58,7 @@ def encode_corpus_segments(
     ``doc_index[i]`` (int32) is the 0-based position in ``texts`` of the document that token ``i``
     belongs to, its closing EOS included. An empty document contributes one EOS. Map documents to
     labels (source, variant) with ``labels[doc_index]`` and pass them, aligned to scored targets
-    with :func:`tasks.evaluation.loss.target_indices`, to :func:`tasks.evaluation.loss.loss_by_group`.
+    with :func:`tasks.lm.loss.target_indices`, to :func:`tasks.lm.loss.loss_by_group`.
 
     >>> toks, doc = encode_corpus_segments(tok, ["a b", "c"])  # doctest: +SKIP
     >>> doc.tolist()                                            # doctest: +SKIP

@@ -8,6 +8,6 @@ are paid once per launching process instead of once per worker and launch.
 from __future__ import annotations
 
 import tasks.training.distributed  # noqa: F401  (the worker's entry point and everything it imports)
-from tasks.training.model import resolve_llama_classes
+from tasks.lm.model import resolve_llama_classes
 
 resolve_llama_classes()

@@ -41,9 +41,10 @@ def smollm2_stand_in(tmp_path, monkeypatch):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.common import models
-    from tasks.evaluation.tokenizer import TokenizerAdapter
-    from tasks.training.tokenizer import eos_id, train_tokenizer
+    from tasks.zoo import models
+    from tasks.lm.tokenizer import TokenizerAdapter
+    from tasks.training.tokenizer import train_tokenizer
+    from tasks.lm.tokenizer import eos_id
 
     rng = random.Random(0)
     words = [f"w{i}" for i in range(50)]

@@ -130,7 +130,8 @@ def test_curate_refuses_bad_input_naming_the_file(tmp_path: Path, case: str, cap
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory) -> Path:
     """A tiny model folder written by the training loop itself (8 steps on a random token stream)."""
-    from tasks.training.config import ModelShape, TrainingConfig
+    from tasks.training.config import TrainingConfig
+    from tasks.lm.model import ModelShape
     from tasks.training.loop import ladder, train_model
 
     cfg = TrainingConfig(vocab_size=256, seq_len=16, sizes=(ModelShape(d_model=16, n_layers=1, n_heads=2),),
@@ -176,7 +177,7 @@ MODEL_CASES = {
 
 @pytest.mark.parametrize("case", sorted(MODEL_CASES))
 def test_a_broken_model_folder_is_refused_before_loading(model_folder: Path, tmp_path: Path, case: str):
-    from tasks.training.loop import load_model
+    from tasks.zoo.ladder import load_model
 
     damage, named, pattern = MODEL_CASES[case]
     folder = tmp_path / "model"

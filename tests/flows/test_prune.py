@@ -22,7 +22,7 @@ def tiny_model_and_tokenizer(tmp_path: Path):
     """A random 3-layer Llama over a byte-level BPE of 300 tokens (the ladder's tokenizer kind)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.common.models import ladder_tokenizer
+    from tasks.zoo.models import ladder_tokenizer
     from tasks.training.tokenizer import train_tokenizer
 
     rng = random.Random(0)
@@ -36,7 +36,7 @@ def tiny_model_and_tokenizer(tmp_path: Path):
 
 
 def test_kept_pruned_models_are_logged_by_reference_and_load_through_pyfunc(tmp_path: Path):
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
 
     model, tok = tiny_model_and_tokenizer(tmp_path)
     rng = np.random.default_rng(0)

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def model_and_text(tmp_path_factory) -> tuple[Path, Path]:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from tasks.training.tokenizer import EOS, train_tokenizer
+    from tasks.training.tokenizer import train_tokenizer
+    from tasks.lm.tokenizer import EOS
 
     tmp = tmp_path_factory.mktemp("cli")
     rng = random.Random(0)
@@ -38,7 +39,7 @@ def model_and_text(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_prune_then_distill_write_loadable_models(model_and_text, tmp_path: Path):
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
 
     teacher, text = model_and_text
     common = ["--text", str(text), "--eval-tokens", "512", "--eval-seq-len", "32", "--root", str(ROOT), "--preset", "ci"]

@@ -22,7 +22,8 @@ from tasks.common.params import load_stage_config
 from tasks.scaling.chinchilla import fit_chinchilla
 from tasks.scaling.config import FitConfig
 from tasks.common.tracking import tracked_run
-from tasks.training.config import ModelShape, TrainingConfig
+from tasks.training.config import TrainingConfig
+from tasks.lm.model import ModelShape
 from tasks.training.loop import ladder
 from tasks.training.tokenizer import save_tokens
 

@@ -24,7 +24,8 @@ def _tiny_target(folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from tasks.evaluation.requests import load_requests
-    from tasks.training.tokenizer import EOS, train_tokenizer
+    from tasks.training.tokenizer import train_tokenizer
+    from tasks.lm.tokenizer import EOS
 
     texts = [s for t in ("arc_easy", "sciq") for it in load_requests(t, limit=100).items
              for s in (*it.contexts, *it.continuations)]

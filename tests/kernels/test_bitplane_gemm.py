@@ -1,5 +1,5 @@
 """kernels.bitplane_gemm: AnyBCQ's bit-plane GEMV/GEMM — Triton (interpreted on CPU, compiled on CUDA)
-against the fp32 reference, and the reference against the weights tasks.compression.anybcq dequantizes."""
+against the fp32 reference, and the reference against the weights tasks.zoo.decoders dequantizes."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ def _anybcq():
     """tasks.compression.anybcq, or a skip where the project's dependencies are missing (a bare GPU
     machine: tasks imports polars); the kernel tests below need only torch and Triton."""
     return pytest.importorskip("tasks.compression.anybcq", reason="tasks.compression needs the project's dependencies")
+
+
+def _decoders():
+    """tasks.zoo.decoders (how stored codes become weights), or a skip as :func:`_anybcq`."""
+    return pytest.importorskip("tasks.zoo.decoders", reason="tasks needs the project's dependencies")
 
 
 @functools.cache
@@ -58,11 +63,11 @@ def _artifact(out_f: int, in_f: int, group_size: int, offset: bool, seed: int = 
 
 
 def _anybcq_weight(packed, scales, off, bits, group_size, cols):
-    """The weight as tasks.compression.anybcq rebuilds it (its own unpacking and formula)."""
-    anybcq = _anybcq()
-    planes = anybcq.unpack_planes(packed[:bits], cols)
+    """The weight as tasks.zoo.decoders rebuilds an AnyBCQ artifact's (its own unpacking and formula)."""
+    decoders = _decoders()
+    planes = decoders.unpack_planes(packed[:bits], cols)
     z = off if off is not None else torch.zeros(scales.shape[:2])
-    return anybcq.bcq_dequantize(planes, scales, z, group_size=group_size)
+    return decoders.bcq_dequantize(planes, scales, z, group_size=group_size)
 
 
 def _x(tokens, in_f, dtype, seed=1, device="cpu"):
@@ -114,7 +119,7 @@ def test_public_entry_matches_a_compressed_model_at_every_precision():
     x = {"0": _x(2, 96, torch.float32, seed=2), "1": _x(2, 40, torch.float32, seed=3)}
     errors = []
     for bits in (2, 3, 4):
-        state = anybcq.dequantized_state(cm.tensors, cm.meta, bits=bits)
+        state = _decoders().anybcq_state(cm.tensors, cm.meta, bits=bits)
         for name in ("0", "1"):
             key = f"{name}.weight"
             t = {k: v.to(DEVICE) for k, v in cm.tensors.items() if k.startswith(key)}

@@ -27,6 +27,11 @@ def _task(name: str):
     return pytest.importorskip(f"tasks.compression.{name}", reason="tasks.compression needs the project's dependencies")
 
 
+def _decoders():
+    """tasks.zoo.decoders (how stored codes become weights), or a skip as :func:`_task`."""
+    return pytest.importorskip("tasks.zoo.decoders", reason="tasks needs the project's dependencies")
+
+
 @functools.cache
 def _nubitq(out_f: int, in_f: int, bits: int, scope: str, group_size: int, seed: int = 0):
     """NuBitQ's stored tensors for one weight (codes, codebook, row_scale or None) and the meta entry
@@ -96,7 +101,7 @@ def _call(impl, kind, x, out_f, in_f, bits, gs, device="cpu", **kw):
 def test_reference_matches_nubitq_dequantized_weights(shape, scope, bits):
     tokens, out_f, in_f, gs = shape
     tensors, meta = _nubitq(out_f, in_f, bits, scope, gs)
-    w = _task("nubitq").dequantized_state(tensors, meta)["w"]
+    w = _decoders().nubitq_state(tensors, meta)["w"]
     x = _x(tokens, in_f, torch.float32)
     y = reference.lut_gemm(x, tensors["w.codes"], tensors["w.codebook"], bits=bits, scope=scope, group_size=gs,
                            row_scale=tensors.get("w.row_scale"))
@@ -116,7 +121,7 @@ def test_public_entry_matches_an_rtn_compressed_model(bits, symmetric):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(100, 40, bias=False), nn.Linear(40, 33, bias=False))
     cm = rtn.compress_rtn(model, rtn.RTNConfig(bits=bits, group_size=32, symmetric=symmetric, skip=()))
-    state = rtn.dequantized_state(cm.tensors, cm.meta)
+    state = _decoders().grouped_int_state(cm.tensors, cm.meta)
     for name, in_f in (("0", 100), ("1", 40)):
         key = f"{name}.weight"
         x = _x(2, in_f, torch.float32, seed=int(name) + 2)

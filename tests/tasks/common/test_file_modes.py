@@ -47,7 +47,8 @@ def test_plots_saved_by_matplotlib(tmp_path: Path, umask_022):
 
 
 def test_compressed_model_files_and_exported_folders(tmp_path: Path, umask_022):
-    from tasks.compression.registry import compress, export_dequantized, save_compressed
+    from tasks.compression.registry import compress
+    from tasks.zoo.compressed import export_dequantized, save_compressed
     from tasks.compression.rtn import RTNConfig
     from tests.tasks.compression.test_rtn import tiny_llama
 

@@ -12,13 +12,12 @@ from tasks.compression.anybcq import (
     AnyBCQConfig,
     _grouped,
     _uniform_planes,
-    bcq_dequantize,
     bcq_progressive,
     compress_anybcq,
     pack_planes,
-    unpack_planes,
 )
-from tasks.compression.registry import load_compressed_model, model_from_tensors, save_compressed
+from tasks.zoo.compressed import load_compressed_model, model_from_tensors, save_compressed
+from tasks.zoo.decoders import bcq_dequantize, unpack_planes
 from tasks.compression.rtn import RTNConfig, compress_rtn
 
 

@@ -8,7 +8,7 @@ import torch
 
 from kernels.group_quant import reference as gq
 from tasks.compression.gptq import GPTQConfig, compress_gptq, gptq_quantize
-from tasks.compression.registry import load_compressed_model, save_compressed
+from tasks.zoo.compressed import load_compressed_model, save_compressed
 from tasks.compression.rtn import RTNConfig, compress_rtn
 
 

@@ -24,7 +24,7 @@ from tasks.compression.inhernet import (
     thin_svd,
     to_dense,
 )
-from tasks.evaluation.loss import evaluate_loss
+from tasks.lm.loss import evaluate_loss
 from tests.tasks.compression.test_block_pruning import VOCAB, incremental_logits, logits, tiny_llama
 
 FRACTIONS = [0.2, 0.3, 0.45, 0.6, 0.8]

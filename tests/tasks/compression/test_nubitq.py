@@ -10,12 +10,12 @@ from tasks.compression.nubitq import (
     NuBitQConfig,
     allocate_bits,
     compress_nubitq,
-    from_csr,
     lsq_codebook,
     to_csr,
     weighted_lloyd,
 )
-from tasks.compression.registry import load_compressed_model, save_compressed
+from tasks.zoo.compressed import load_compressed_model, save_compressed
+from tasks.zoo.decoders import from_csr
 from tasks.compression.rtn import RTNConfig, compress_rtn
 
 

@@ -150,7 +150,7 @@ def test_prune_rows_dense_pruned_and_recovered():
 def test_recovery_curve_runs_from_the_pruned_to_the_recovered_ppl(steps, every, expected):
     import math
 
-    from tasks.evaluation.loss import evaluate_loss
+    from tasks.lm.loss import evaluate_loss
 
     model = with_identity(tiny_llama(4), 2)
     rc = RecoveryConfig(losses=("csd", "kl"), steps=steps, batch_size=2, seq_len=32, tokens=512, lr=3e-3,
@@ -226,7 +226,7 @@ def test_recovery_runs_and_budget():
 
 
 def test_prune_rows_with_paser_selects_the_budget(monkeypatch):
-    import tasks.selection.embeddings as embeddings
+    import tasks.lm.embeddings as embeddings
 
     # the sentence encoder is tested with DDCF; here the windows' "text" is their token histogram
     monkeypatch.setattr(embeddings, "question_embeddings",

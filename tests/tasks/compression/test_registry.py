@@ -15,13 +15,9 @@ from tasks.common.params import PRESETS, load_stage_config, stage_section
 from tasks.common.registry import MethodRegistry, MethodSpec
 from tasks.compression import registry
 from tasks.compression.config import CompressionConfig
-from tasks.compression.registry import (
-    CompressedModel,
-    compress,
-    get_method,
-    parse_settings,
-    save_compressed,
-)
+from tasks.compression.registry import compress, get_method, parse_settings
+from tasks.zoo import compressed
+from tasks.zoo.compressed import CompressedModel, save_compressed
 from tasks.compression.rtn import RTNConfig, compress_rtn
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -164,12 +160,10 @@ def test_save_compressed_is_atomic(tmp_path, monkeypatch):
     save_compressed(cm, path)
     before = path.read_bytes()
 
-    import safetensors.torch
-
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    monkeypatch.setattr(compressed, "save_file", fail)
     with pytest.raises(OSError, match="disk full"):
         save_compressed(compress(model, RTNConfig(bits=8, group_size=8, skip=())), path)
     assert path.read_bytes() == before  # the old file is intact, no temp file left behind

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from tasks.compression.registry import CompressedModel, load_compressed, save_compressed
-from tasks.compression.rtn import RTNConfig, compress_rtn, dequantized_state, quantized_linears
+from tasks.zoo.compressed import CompressedModel, load_compressed, save_compressed
+from tasks.compression.rtn import RTNConfig, compress_rtn, quantized_linears
+from tasks.zoo.decoders import grouped_int_state
 
 VOCAB = 256
 
@@ -95,7 +96,7 @@ def test_file_round_trip_reproduces_the_model(model, compressed, tokens, tmp_pat
     stored, meta = load_compressed(path)
     assert meta["method"] == "rtn" and meta["config"]["bits"] == bits
     fresh = tiny_llama(seed=123)  # different weights, all replaced from the file
-    fresh.load_state_dict(dequantized_state(stored, meta), strict=True)
+    fresh.load_state_dict(grouped_int_state(stored, meta), strict=True)
     for k, v in cm.model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
     with torch.no_grad():
@@ -160,7 +161,7 @@ def test_tied_model_round_trips(tmp_path):
     tied = tiny_llama(seed=1, tie=True)
     cm = compress_rtn(tied, RTNConfig(bits=3, group_size=20))  # 3 bits, groups not dividing 64
     save_compressed(cm, tmp_path / "tied.safetensors")
-    state = dequantized_state(*load_compressed(tmp_path / "tied.safetensors"))
+    state = grouped_int_state(*load_compressed(tmp_path / "tied.safetensors"))
     for k, v in cm.model.state_dict().items():
         assert torch.equal(state[k], v), k
 
@@ -173,7 +174,7 @@ def test_config_rejects_bad_values(bad):
 
 @pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
 def test_load_compressed_model_gives_the_same_logits(model, tokens, tmp_path, symmetric):
-    from tasks.compression.registry import load_compressed_model
+    from tasks.zoo.compressed import load_compressed_model
 
     cm = compress_rtn(model, RTNConfig(bits=3, group_size=24, symmetric=symmetric))
     path = tmp_path / "m.safetensors"
@@ -196,7 +197,7 @@ def test_symmetric_rtn_stores_no_zeros_and_keeps_the_error_bound(model):
 
 
 def test_a_mismatched_or_malformed_artifact_is_refused(model, tmp_path):
-    from tasks.compression.registry import load_compressed_model
+    from tasks.zoo.compressed import load_compressed_model
 
     cm = compress_rtn(model, RTNConfig(bits=4, group_size=32))
     save_compressed(cm, tmp_path / "ok.safetensors")
@@ -229,7 +230,7 @@ def test_a_mismatched_or_malformed_artifact_is_refused(model, tmp_path):
 def test_export_dequantized_loads_with_from_pretrained(model, tokens, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from tasks.compression.registry import export_dequantized
+    from tasks.zoo.compressed import export_dequantized
 
     cm = compress_rtn(model, RTNConfig(bits=4, group_size=32))
     out = export_dequantized(cm.model, tmp_path / "hf")

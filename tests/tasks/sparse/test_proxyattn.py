@@ -207,7 +207,7 @@ def test_group_and_pooling_settings_run(tokens, kv_heads, group_size, pooling, b
 def test_evaluate_loss_runs_under_the_patch(model):
     import numpy as np
 
-    from tasks.evaluation.loss import evaluate_loss
+    from tasks.lm.loss import evaluate_loss
 
     val = np.random.default_rng(0).integers(0, VOCAB, 1 + 4 * 64).astype(np.int64)
     dense = evaluate_loss(model, val, 64, 4)

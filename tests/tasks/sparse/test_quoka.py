@@ -111,7 +111,7 @@ def test_a_model_without_attention_modules_is_refused():
 def test_evaluate_loss_runs_under_the_patch(model):
     import numpy as np
 
-    from tasks.evaluation.loss import evaluate_loss
+    from tasks.lm.loss import evaluate_loss
 
     val = np.random.default_rng(0).integers(0, VOCAB, 1 + 4 * 64).astype(np.int64)
     dense = evaluate_loss(model, val, 64, 4)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.evaluation.tokenizer import TokenizerAdapter
+from tasks.lm.tokenizer import TokenizerAdapter
 from tasks.sparse.quoka import QuokaConfig, quoka
 from tasks.sparse.retrieval import (NEEDLE, QUESTION, RetrievalConfig, build_retrieval_set, candidate_logliks,
                                     retrieval_accuracy, score_retrieval)

@@ -7,7 +7,8 @@ import pytest
 
 from tasks.common.config import ConfigError, from_mapping
 from tasks.common.params import PRESETS, load_stage_config
-from tasks.training.config import ModelShape, RePBConfig, TrainingConfig
+from tasks.training.config import RePBConfig, TrainingConfig
+from tasks.lm.model import ModelShape
 from tasks.training.design import seed_sizes
 from tasks.training.loop import ladder
 ROOT = Path(__file__).resolve().parents[3]

@@ -18,7 +18,8 @@ from training_fixtures import markov_tokens, tiny_config
 
 from tasks.training.config import RePBConfig
 from tasks.training.distributed import PointJob, WorkerFailed, check_parallel, train_points
-from tasks.training.loop import _checkpoint_files, ladder, load_checkpoint, train_model
+from tasks.training.loop import ladder, train_model
+from tasks.training.checkpoint import checkpoint_files, load_checkpoint
 from tasks.training.tokenizer import save_tokens
 
 REL_TOL_FSDP = 1e-5
@@ -85,7 +86,7 @@ def test_fsdp_gives_the_ddp_result(ddp_two, token_files, tmp_path):
         assert a == pytest.approx(b, rel=REL_TOL_FSDP)
     assert fsdp.val_loss == pytest.approx(ddp.val_loss, rel=REL_TOL_FSDP)
     # the gathered full weights load into a plain model: the same file format as one process writes
-    from tasks.training.loop import load_model
+    from tasks.zoo.ladder import load_model
 
     model, meta = load_model(out)
     assert meta["result"]["devices"] == 2 and sum(p.numel() for p in model.parameters()) > 0
@@ -101,7 +102,7 @@ def test_killed_worker_resumes_to_the_uninterrupted_loss(ddp_two, token_files, t
     with pytest.raises(WorkerFailed, match=r"worker 0 of 2 was killed by signal 9"):
         train_points(job_for(cfg, token_files, out))
     monkeypatch.delenv("SCALELAB_FAULT")
-    assert [s for s, _, _ in _checkpoint_files(out / "checkpoint")] == [4]
+    assert [s for s, _, _ in checkpoint_files(out / "checkpoint")] == [4]
     assert not (out / "result.json").exists()
     steps = []
     resumed = train_points(job_for(cfg, token_files, out), progress=lambda spec: lambda s, n: steps.append(s))[0]
@@ -119,7 +120,7 @@ def test_ddp_checkpoint_is_the_one_process_format(token_files, tmp_path, monkeyp
     with pytest.raises(WorkerFailed):
         train_points(job_for(cfg, token_files, out))
     monkeypatch.delenv("SCALELAB_FAULT")
-    (step, path, _), = _checkpoint_files(out / "checkpoint")
+    (step, path, _), = checkpoint_files(out / "checkpoint")
     assert step == 8 and path.suffix == ".safetensors"
     steps = []
     from tasks.training.tokenizer import load_tokens
@@ -139,7 +140,7 @@ def test_fsdp_killed_run_resumes_from_its_sharded_checkpoint(token_files, tmp_pa
     with pytest.raises(WorkerFailed):
         train_points(job_for(cfg, token_files, out))
     monkeypatch.delenv("SCALELAB_FAULT")
-    files = _checkpoint_files(out / "checkpoint")
+    files = checkpoint_files(out / "checkpoint")
     assert [s for s, _, _ in files] == [4] and files[0][1].suffix == ".dcp"
     with pytest.raises(ValueError, match=r"parallel: fsdp"):  # a plain loop refuses the shards by name
         load_checkpoint(out / "checkpoint", None, None)

@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from tasks.training.config import FeasibilityConfig, ModelShape, TrainingConfig
+from tasks.training.config import FeasibilityConfig, TrainingConfig
+from tasks.lm.model import ModelShape
 from tasks.training.design import ladder
 from tasks.training.feasibility import (
     FAILED, OK, SHRUNK, SKIPPED, WindowNeed, check_feasibility, sized_to_data, trainable_tokens, validation_shortfall,

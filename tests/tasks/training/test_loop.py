@@ -10,9 +10,10 @@ import pytest
 import torch
 from training_fixtures import markov_tokens, tiny_config
 
-from tasks.evaluation.loss import evaluate_loss, target_indices, token_losses
+from tasks.lm.loss import evaluate_loss, target_indices, token_losses
 from tasks.training.design import cosine_warmup_steps
-from tasks.training.loop import TrainResult, WindowSampler, ladder, load_model, lr_at, read_doc_losses, train_model
+from tasks.training.loop import TrainResult, WindowSampler, ladder, lr_at, read_doc_losses, train_model
+from tasks.zoo.ladder import load_model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import pytest
 import torch
 from training_fixtures import markov_tokens, tiny_config
 
-from tasks.training.config import ModelShape, RePBConfig
+from tasks.training.config import RePBConfig
+from tasks.lm.model import ModelShape
 from tasks.training.loop import ladder, run_fingerprint, train_model
 from tasks.training.repb import RePBSelector, normalise_scores, repb_arms, weighted_step_loss
 

@@ -14,8 +14,9 @@ import torch
 from training_fixtures import markov_tokens, tiny_config
 
 from tasks.training.config import RePBConfig
-from tasks.training.loop import _checkpoint_files, ladder, load_checkpoint, save_checkpoint, train_model
-from tasks.training.model import build_model
+from tasks.training.loop import ladder, train_model
+from tasks.training.checkpoint import checkpoint_files, load_checkpoint, save_checkpoint
+from tasks.lm.model import build_model
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -63,7 +64,7 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
     proc.wait(timeout=60)
     assert killed_at is not None and proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
     assert not (out / "result.json").exists()
-    assert [s for s, _, _ in _checkpoint_files(out / "checkpoint")] == [20]
+    assert [s for s, _, _ in checkpoint_files(out / "checkpoint")] == [20]
 
     steps_run = []
     resumed = train_model(spec, cfg, train, val, out, progress=lambda s, n: steps_run.append(s))

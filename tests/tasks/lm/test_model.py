@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.training.config import ModelShape
-from tasks.training.model import (build_model, count_non_embedding_params, hf_config, model_flops_per_token,
+from tasks.lm.model import ModelShape
+from tasks.lm.model import (build_model, count_non_embedding_params, hf_config, model_flops_per_token,
                                   non_embedding_params, parameter_counts, peak_flops, peak_flops_for_name,
                                   total_params)
 
@@ -138,7 +138,8 @@ def run_script(script: str, *args: str, repeats: int = 1) -> None:
 def tiny_hf_folder(path, tokenizer: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from tasks.training.tokenizer import EOS, train_tokenizer
+    from tasks.training.tokenizer import train_tokenizer
+    from tasks.lm.tokenizer import EOS
 
     LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(path)
@@ -151,14 +152,14 @@ def tiny_hf_folder(path, tokenizer: bool = False):
 def test_transformers_classes_resolve_from_many_threads_at_once():
     # a plain `from transformers import LlamaConfig` from 8 threads fails about one time in three here
     run_script("""
-from tasks.training.model import hf_class
+from tasks.lm.model import hf_class
 at_once([lambda n=n: hf_class(n) for n in ["LlamaConfig", "LlamaForCausalLM"] * 4])
 """, repeats=2)
 
 
 def test_a_from_pretrained_under_the_lock_beside_threads_resolving_classes(tmp_path):
     run_script("""
-from tasks.training.model import hf_class, transformers_lock
+from tasks.lm.model import hf_class, transformers_lock
 def load():
     with transformers_lock():
         hf_class("AutoModelForCausalLM").from_pretrained(sys.argv[1])
@@ -176,8 +177,8 @@ def test_concurrent_loads_leave_transformers_init_and_tie_functions_in_place(tmp
     run_script("""
 import torch
 from transformers.modeling_utils import PreTrainedModel
-from tasks.common.models import load_causal_lm
-from tasks.selection import embeddings
+from tasks.zoo.models import load_causal_lm
+from tasks.lm import embeddings
 tie, init, normal = PreTrainedModel.tie_weights, PreTrainedModel.init_weights, torch.nn.init.normal_
 def minilm():
     for _ in range(3):

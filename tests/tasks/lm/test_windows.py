@@ -1,4 +1,4 @@
-"""tasks.common.windows: a token stream cut into (n, T) model inputs."""
+"""tasks.lm.windows: a token stream cut into (n, T) model inputs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.common.windows import token_windows
+from tasks.lm.windows import token_windows
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16], ids=["int64", "int32", "uint16"])

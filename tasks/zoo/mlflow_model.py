@@ -14,10 +14,16 @@ folder the prune stage kept in ``models/pruned/``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import mlflow.pyfunc
+import numpy as np
+import torch
 from mlflow.models import set_model
+from torch import nn
+
+from tasks.zoo.models import load_causal_lm
 
 
 class ScalelabLM(mlflow.pyfunc.PythonModel):
@@ -29,9 +35,6 @@ class ScalelabLM(mlflow.pyfunc.PythonModel):
         self.model = load_lm(dict(context.model_config or {}))
 
     def predict(self, context, model_input, params=None):
-        import numpy as np
-        import torch
-
         ids = np.asarray(getattr(model_input, "values", model_input), dtype=np.int64)
         if ids.ndim == 1:
             ids = ids[None, :]
@@ -41,40 +44,26 @@ class ScalelabLM(mlflow.pyfunc.PythonModel):
         return logits.float().numpy()
 
 
-def load_lm(config: dict[str, Any]):
-    """The ``nn.Module`` a logged model's ``model_config`` names (eval mode, CPU).
+def load_lm(config: dict[str, Any]) -> nn.Module:
+    """The ``nn.Module`` a logged model's ``model_config`` names (eval mode, CPU), loaded by the zoo's
+    one loader, :func:`tasks.zoo.models.load_causal_lm`.
 
     Raises ``ValueError`` naming the key when the config is not one of the three kinds, and
     ``FileNotFoundError`` naming the path when the workdir no longer holds the weights.
     """
-    from pathlib import Path
-
-    from tasks.training.loop import load_model
-
     kind = config.get("kind")
     paths = [config[k] for k in ("model_dir", "file", "base_dir") if config.get(k)]
     for p in paths:
         if not Path(p).exists():
             raise FileNotFoundError(f"{p}: the weights this logged model points to are gone (model_config {config})")
-    if kind == "trained":
-        return load_model(config["model_dir"])[0]
+    if kind in ("trained", "pruned"):
+        return load_causal_lm(config["model_dir"])[0]
     if kind == "compressed":
-        from tasks.compression.registry import load_compressed_model
-
-        if config.get("base_dir"):
-            base = load_model(config["base_dir"])[0]
-        elif config.get("base"):
-            from tasks.common.models import load_causal_lm
-
-            base = load_causal_lm(config["base"])[0]
-        else:
+        base = config.get("base_dir") or config.get("base")
+        if not base:
             raise ValueError(f"model_config {config}: a compressed model needs `base_dir` or `base`")
         options = {"bits": int(config["bits"])} if config.get("multi_precision") else {}
-        return load_compressed_model(config["file"], base, **options).eval()
-    if kind == "pruned":
-        from tasks.common.models import load_causal_lm
-
-        return load_causal_lm(config["model_dir"])[0]
+        return load_causal_lm(config["file"], base=base, **options)[0]
     raise ValueError(f"model_config.kind {kind!r}: expected 'trained', 'compressed' or 'pruned'")
 
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+#: The ladder tokenizer's end-of-text token (id 0): it separates documents in the token stream.
+EOS = "<|endoftext|>"
+
 
 class TextTokenizer(Protocol):
     """What scoring needs of a tokenizer; also the shape of ``olmo_eval.tokenizer.Tokenizer``."""
@@ -102,3 +105,10 @@ def check_vocabulary(tokenizer: TextTokenizer, model_vocab_size: int, *, model: 
         raise ValueError(f"{model}: vocabulary mismatch: {tokenizer_name} has {tokenizer.vocab_size} tokens but "
                          f"the model's embedding has {model_vocab_size} rows")
 
+
+def eos_id(tokenizer: Any) -> int:
+    """The id of :data:`EOS` in a ``tokenizers.Tokenizer``; ``ValueError`` when it has none."""
+    i = tokenizer.token_to_id(EOS)
+    if i is None:
+        raise ValueError(f"tokenizer has no {EOS} token")
+    return i

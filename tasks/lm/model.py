@@ -2,6 +2,11 @@
 
 Choices, the same for every rung:
 
+* **Shape rule** (:class:`ModelShape`, one rule for every rung, so the ladder varies N smoothly):
+  ``head_dim = d_model / n_heads`` must be an even integer (RoPE rotates pairs); ``n_kv_heads``
+  defaults to ``n_heads``; the SwiGLU width is ``ffn_multiple_of * ceil(ffn_mult * d_model /
+  ffn_multiple_of)`` with ``ffn_mult = 8/3``, ``ffn_multiple_of = 32`` — LLaMA's rule (Touvron et
+  al., 2023), which keeps the SwiGLU MLP's 3 matrices at the parameter count of a 4x GELU MLP's 2.
 * **Untied** input embedding and LM head, so small rungs do not get a free "shared" head.
 * **Parameter counts, both recorded** (:func:`parameter_counts`): ``total`` counts every weight,
   embedding and head included, as Hoffmann et al. 2022 and Epoch AI do; ``non_embedding`` leaves
@@ -27,10 +32,13 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
+
+from tasks.common.config import require
 
 _HF_IMPORT = threading.RLock()
 
@@ -75,7 +83,51 @@ def resolve_llama_classes() -> None:
     for name in ("LlamaConfig", "LlamaForCausalLM"):
         hf_class(name)
 
-from tasks.training.config import ModelShape
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """Width and depth of one rung of the ladder (the shape rule: see the module docstring)."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None: equal to n_heads (no grouped-query attention)
+    ffn_mult: float = 8.0 / 3.0
+    ffn_multiple_of: int = 32
+
+    def __post_init__(self) -> None:
+        require(self.d_model > 0, "d_model", f"must be positive, got {self.d_model}")
+        require(self.n_layers > 0, "n_layers", f"must be positive, got {self.n_layers}")
+        require(self.n_heads > 0, "n_heads", f"must be positive, got {self.n_heads}")
+        require(self.d_model % self.n_heads == 0, "n_heads",
+                f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        require((self.d_model // self.n_heads) % 2 == 0, "n_heads",
+                f"head_dim {self.d_model // self.n_heads} must be even (RoPE rotates pairs of channels)")
+        if self.n_kv_heads is not None:
+            require(self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+                    f"must divide n_heads {self.n_heads}, got {self.n_kv_heads}")
+        require(self.ffn_mult > 0, "ffn_mult", f"must be positive, got {self.ffn_mult}")
+        require(self.ffn_multiple_of > 0, "ffn_multiple_of", f"must be positive, got {self.ffn_multiple_of}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def intermediate_size(self) -> int:
+        """SwiGLU hidden width: ``ffn_mult * d_model`` rounded up to a multiple of ``ffn_multiple_of``."""
+        m = self.ffn_multiple_of
+        return m * math.ceil(self.ffn_mult * self.d_model / m - 1e-9)
+
+    @property
+    def tag(self) -> str:
+        """Short name used in run names, e.g. ``d64_l2``."""
+        return f"d{self.d_model}_l{self.n_layers}"
+
 
 Arch = Literal["llama", "xlstm"]
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.evaluation.loss import (evaluate_loss, evaluation_windows, loss_by_document, loss_by_group, target_indices,
+from tasks.lm.loss import (evaluate_loss, evaluation_windows, loss_by_document, loss_by_group, target_indices,
                                    token_losses)
-from tasks.training.config import ModelShape
-from tasks.training.model import build_model
+from tasks.lm.model import ModelShape
+from tasks.lm.model import build_model
 
 
 class _Out:

@@ -8,13 +8,13 @@
 * a trained ladder folder (``models/trained/<variant>/<run>``: ``config.json`` +
   ``model.safetensors``), with its tokenizer from ``tokenizer.json`` in the folder or the
   workdir's ``data/tokenizer/tokenizer.json`` above it;
-* a compressed ``.safetensors`` written by :func:`tasks.compression.registry.save_compressed`
+* a compressed ``.safetensors`` written by :func:`tasks.zoo.compressed.save_compressed`
   (``models/compressed/<variant>/<run>/<setting>.safetensors``), rebuilt onto its base model
   (``base=``, default: the trained folder of the same variant and run) with
-  :func:`tasks.compression.registry.load_compressed_model`;
+  :func:`tasks.zoo.compressed.load_compressed_model`;
 * any ``from_pretrained`` folder with a tokenizer (e.g. what ``export_dequantized`` writes).
 
-``tokenizer`` is a :class:`tasks.evaluation.tokenizer.TokenizerAdapter`; ``meta`` holds
+``tokenizer`` is a :class:`tasks.lm.tokenizer.TokenizerAdapter`; ``meta`` holds
 ``name``, ``family`` (``ladder``/``smollm2``/``hf``), ``method``, ``bits``, ``vocab_size``,
 ``model_ctx_len`` and, for the ladder, ``variant``, ``run``, ``n_params``, ``tokens``.
 Nothing is downloaded: the tokenizer and weights must be on disk.
@@ -22,17 +22,27 @@ Nothing is downloaded: the tokenizer and weights must be on disk.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import transformers
+from tokenizers import Tokenizer
 from torch import nn
 
-from tasks.evaluation.tokenizer import TokenizerAdapter, check_vocabulary
+from tasks.common.io import atomic_dir
+from tasks.common.lineage import file_digest
+from tasks.lm.model import hf_class, transformers_lock
+from tasks.lm.smollm2 import SMOLLM2, SMOLLM2_GGUF, smollm2_dir
+from tasks.lm.tokenizer import EOS, TokenizerAdapter, check_vocabulary, eos_id
+PRETRAINED_MODELS = (SMOLLM2,)
+"""Pretrained models the stages' ``pretrained`` lists may name (loaded by :func:`load_causal_lm`)."""
 
-SMOLLM2 = "smollm2"
 # SmolLM2's configured window is 8192; the library's default context is 2048 and no request comes near it.
 SMOLLM2_CTX_LEN = 2048
 
@@ -68,10 +78,6 @@ def find_ladder_tokenizer(model_dir: Path) -> Path | None:
 
 
 def ladder_tokenizer(path: Path) -> TokenizerAdapter:
-    from tokenizers import Tokenizer
-
-    from tasks.training.tokenizer import EOS, eos_id
-
     tok = Tokenizer.from_file(str(path))
     try:
         eos = eos_id(tok)
@@ -87,8 +93,6 @@ def smollm2_cache_dir() -> Path | None:
 
     transformers' GGUF reader takes ~20 s on 2 cores and reading the folder back well under a second,
     so only the first process to load SmolLM2 pays (the demo loads it in several stages)."""
-    import os
-
     env = os.environ.get("SCALELAB_CACHE_DIR")
     if env == "off":
         return None
@@ -99,12 +103,6 @@ def smollm2_cache_dir() -> Path | None:
 
 def _smollm2_cache_folder(gguf: Path) -> Path | None:
     """The cache folder of this GGUF file as this transformers version dequantizes it (None: no cache)."""
-    import hashlib
-
-    import transformers
-
-    from tasks.common.lineage import file_digest
-
     root = smollm2_cache_dir()
     if root is None:
         return None
@@ -116,8 +114,6 @@ def _smollm2_cache_folder(gguf: Path) -> Path | None:
 
 def _smollm2_from_gguf(folder: Path, gguf_file: str) -> tuple[nn.Module, Any]:
     """SmolLM2 and its tokenizer from the GGUF file, dequantized to float32 by transformers."""
-    from tasks.training.model import hf_class
-
     for mod in ("gguf", "accelerate"):
         if importlib.util.find_spec(mod) is None:
             raise RuntimeError(f"loading SmolLM2's GGUF needs {mod}: pip install gguf accelerate")
@@ -128,12 +124,9 @@ def _smollm2_from_gguf(folder: Path, gguf_file: str) -> tuple[nn.Module, Any]:
 
 
 def _load_smollm2() -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
-    from tasks.curation.rewrite import SMOLLM2_GGUF, smollm2_dir
-    from tasks.training.model import transformers_lock
-
     folder = smollm2_dir()
     # The whole load under transformers_lock: loads in two threads at once can leave transformers'
-    # init and tie functions patched out for the rest of the process (tasks.training.model).
+    # init and tie functions patched out for the rest of the process (tasks.lm.model).
     with transformers_lock():
         model, hf_tok = _smollm2_cached(folder, SMOLLM2_GGUF)
     eos = hf_tok.eos_token_id
@@ -148,9 +141,6 @@ def _load_smollm2() -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
 def _smollm2_cached(folder: Path, gguf_file: str) -> tuple[nn.Module, Any]:
     """SmolLM2 and its tokenizer from :func:`smollm2_cache_dir` when this GGUF file is there, else
     from the GGUF file, then kept there."""
-    from tasks.common.io import atomic_dir
-    from tasks.training.model import hf_class
-
     cache = _smollm2_cache_folder(folder / gguf_file)
     if cache is not None and (cache / "config.json").exists() and (cache / "model.safetensors").exists():
         hf_tok = hf_class("AutoTokenizer").from_pretrained(str(cache))
@@ -205,7 +195,7 @@ def _forget_gguf(model: nn.Module) -> None:
 
 
 def _load_ladder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
-    from tasks.training.loop import load_model
+    from tasks.zoo.ladder import load_model
 
     tok_path = find_ladder_tokenizer(folder)
     if tok_path is None:
@@ -223,11 +213,9 @@ def _load_ladder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, A
 
 
 def _load_hf_folder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
-    from tasks.training.model import hf_class, transformers_lock
-
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise FileNotFoundError(f"{folder}: model folder has no tokenizer (tokenizer.json or tokenizer_config.json)")
-    with transformers_lock():  # see tasks.training.model.transformers_lock
+    with transformers_lock():  # see tasks.lm.model.transformers_lock
         hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder))
         model = hf_class("AutoModelForCausalLM").from_pretrained(str(folder)).eval()
     eos = hf_tok.eos_token_id if hf_tok.eos_token_id is not None else 0
@@ -256,7 +244,7 @@ def compressed_base_dir(path: Path) -> Path:
 
 def _load_compressed(path: Path, base: str | Path | None, options: dict[str, Any]
                      ) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
-    from tasks.compression.registry import load_compressed, load_compressed_model
+    from tasks.zoo.compressed import load_compressed, load_compressed_model
 
     # The compress stage writes pretrained models' artifacts to models/compressed/pretrained/<model>/.
     if str(base) == SMOLLM2 or (base is None and path.resolve().parent.parent.name == "pretrained"
@@ -312,8 +300,6 @@ def load_causal_lm(spec: str | Path, *, base: str | Path | None = None, **option
 
 
 def _is_ladder(folder: Path) -> bool:
-    import json
-
     try:
         return "spec" in json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):

