@@ -24,7 +24,7 @@ from typing import Any
 import polars as pl
 
 from flows.stage import finished, read_failures
-from tasks.scaling.report import _file_safe  # the fit stage's plot names: loss_vs_compute_<series>.png
+from tasks.scaling.report import file_safe  # the fit stage's plot names: loss_vs_compute_<series>.png
 
 # What each stage writes that the summary reads, and the command that writes it.
 REPORT_FILES: dict[str, str] = {
@@ -230,7 +230,7 @@ def law_section(reports: Reports) -> tuple[Section, list[str]]:
     if derived:
         k = sum(bool(fits["variants"][n].get("identified")) for n in derived)
         sec.notes.append(f"{len(derived)} further laws for compressed / sparse series ({k} identified) are in fits.json.")
-    sec.plots = _existing(reports, [f"plots/loss_vs_compute_{_file_safe(n)}.png" for n in series])
+    sec.plots = _existing(reports, [f"plots/loss_vs_compute_{file_safe(n)}.png" for n in series])
     headline.append(f"Laws: {len(identified)} of {len(series)} identified"
                     + (f" ({', '.join(identified)})." if identified else
                        " (reasons below): read them as descriptions of this ladder, not as predictions."))
@@ -278,7 +278,7 @@ def winner_section(reports: Reports) -> tuple[Section, list[str]]:
             sec.notes.append("No comparison by the laws: only identified laws are compared." + why)
             headline.append("By the laws: no comparison (only identified laws are compared).")
         sec.plots = _existing(reports, ["plots/frontier.png"] + [
-            f"plots/compare_{_file_safe(c['x'])}__{_file_safe(c['y'])}.png" for c in fits.get("comparisons", [])
+            f"plots/compare_{file_safe(c['x'])}__{file_safe(c['y'])}.png" for c in fits.get("comparisons", [])
             if c["x"] in series and c["y"] in series])
     train = reports.table("train.csv")
     if train is not None and train.height:
@@ -354,7 +354,7 @@ def compute_optimal_section(reports: Reports) -> tuple[Section, list[str]]:
             sec.notes.append(f"{name}, IsoFLOP minimum measured at C = {_fmt(lv['C'])} (a parabola through the "
                              f"ladder, no law): N* = {_fmt(lv['N_opt'])}, {_fmt(lv['D_opt'] / lv['N_opt'])} tokens "
                              f"per parameter.")
-    sec.plots = _existing(reports, [f"plots/isoflop_{_file_safe(n)}.png" for n in series])
+    sec.plots = _existing(reports, [f"plots/isoflop_{file_safe(n)}.png" for n in series])
     sec.notes.append("At the largest compute budget of fit.compute_budgets inside the ladder's measured range; "
                      "Chinchilla's is ~20 tokens per parameter. Intervals of laws that are not identified are wide.")
     return sec, (["Compute-optimal: " + "; ".join(headline) + "."] if headline else [])
