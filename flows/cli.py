@@ -293,13 +293,14 @@ def _run(args: argparse.Namespace, root: Path) -> int:
             pipeline_flow(**kwargs)
         else:
             from flows.pipeline import STAGE_FLOWS
-            from flows.report import HEADLINE_STAGES, write_stage_metrics
+            from flows.report_metrics import HEADLINE_STAGES, write_stage_metrics
 
             STAGE_FLOWS[args.stage](**kwargs, parent_run_id=ctx.parent.run_id if ctx.parent else None)
             if args.stage in HEADLINE_STAGES:  # what dvc.yaml declares as the stage's metrics
                 write_stage_metrics(args.stage, ctx.layout.reports)
     if args.stage == "all":
-        from flows.report import build_summary, load_reports, print_summary
+        from flows.report import build_summary, print_summary
+        from flows.report_data import load_reports
 
         print_summary(build_summary(load_reports(ctx.layout.reports)))
     return _failed_units(ctx.layout.reports, None if args.stage == "all" else args.stage)

@@ -14,7 +14,7 @@ from prefect import flow
 
 from flows.artifacts import law_table, publish_table
 from flows.feasibility import left_out
-from flows.report import PRETRAINED
+from flows.report_data import PRETRAINED
 from flows.stage import finished, stage_context, stage_run, write_table
 from tasks.common.io import write_csv
 from tasks.common.lineage import data_ref, log_datasets

@@ -23,7 +23,8 @@ from flows.sparse_eval import sparse_eval_flow
 from flows.stage import stage_context
 from flows.train import train_flow
 from flows.runtime import claim_workdir
-from flows.report import HEADLINE_STAGES, summary_markdown, write_stage_metrics, write_summary
+from flows.report import summary_markdown, write_summary
+from flows.report_metrics import HEADLINE_STAGES, write_stage_metrics
 from tasks.common.tracking import REPLACES, tracked_run
 
 STAGE_FLOWS = {

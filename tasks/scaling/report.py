@@ -343,7 +343,7 @@ def compute_optimal_frame(report: dict) -> pl.DataFrame:
     return pl.DataFrame(records, schema=schema).select(cols)
 
 
-def _file_safe(name: str) -> str:
+def file_safe(name: str) -> str:
     """A series name as a file name: ``raw+teal@0.5`` -> ``raw_teal_0.5``."""
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
 
@@ -380,7 +380,7 @@ def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path,
     for name, entry in report["variants"].items():
         if "alpha" not in entry:
             continue
-        safe = _file_safe(name)
+        safe = file_safe(name)
         sub = frame.filter(pl.col("variant") == name)
         N, D, L = (sub[c].to_numpy() for c in REQUIRED_COLUMNS)
         p = {k: entry[k]["value"] for k in PARAM_NAMES}
@@ -437,7 +437,7 @@ def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path,
         ax.set(xscale="log", xlabel="compute C (FLOPs)", ylabel="loss at N*(C), D*(C)",
                title=f"compute-optimal frontier{': ' + base if base else ''}")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-        written.append(_save(fig, out / (f"frontier_{_file_safe(base)}.png" if base else "frontier.png")))
+        written.append(_save(fig, out / (f"frontier_{file_safe(base)}.png" if base else "frontier.png")))
         plt.close(fig)
 
     # compare_<x>__<y>.png: the compared pairs (law_pairs among identified laws): both frontiers
@@ -462,7 +462,7 @@ def write_fit_report(report: dict, points: pl.DataFrame, out_dir: str | Path,
                title=f"{cmp['x']} vs {cmp['y']} ({cmp['pairing']})"
                      + (f"\nHolm-significant: {', '.join(called)}" if called else "\nno Holm-significant difference"))
         ax.legend(fontsize=7)
-        written.append(_save(fig, out / f"compare_{_file_safe(cmp['x'])}__{_file_safe(cmp['y'])}.png"))
+        written.append(_save(fig, out / f"compare_{file_safe(cmp['x'])}__{file_safe(cmp['y'])}.png"))
         plt.close(fig)
     return written
 
@@ -505,6 +505,6 @@ def write_decision_plots(rows: Sequence[dict], plots_dir: str | Path) -> list[Pa
         ax.set(xscale="log", xlabel="budget", ylabel=f"Delta loss vs {ref} (nats; < 0: better)",
                title=f"{name} vs {ref}: paired difference on the validation split, 95% bands")
         ax.legend(fontsize=7)
-        written.append(_save(fig, out / f"decisions_{_file_safe(name)}.png"))
+        written.append(_save(fig, out / f"decisions_{file_safe(name)}.png"))
         plt.close(fig)
     return written

@@ -12,8 +12,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from flows.report import (HEADLINE_STAGES, build_summary, common_recovery, compression_table, load_reports,
-                          pruning_table, stage_metrics, summary_markdown, write_stage_metrics, write_summary)
+from flows.report import build_summary, summary_markdown, write_summary
+from flows.report_data import load_reports
+from flows.report_metrics import HEADLINE_STAGES, stage_metrics, write_stage_metrics
+from flows.report_sections import common_recovery, compression_table, pruning_table
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

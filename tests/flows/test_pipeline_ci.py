@@ -314,7 +314,7 @@ def test_summary_headline_metrics_and_file_modes(ci_run):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from flows.report import HEADLINE_STAGES
+    from flows.report_metrics import HEADLINE_STAGES
 
     workdir, result = ci_run
     reports = workdir / "reports"

@@ -51,7 +51,8 @@ def feasibility_rows(work: Path) -> dict[tuple[str, str], dict]:
 def test_shrink_trains_what_the_data_allows_and_later_stages_treat_the_rest_as_absent(prefect_harness, tmp_path, capsys):
     from flows.evaluate_models import trained_models
     from flows.fit import run_decisions
-    from flows.report import build_summary, load_reports, summary_markdown
+    from flows.report import build_summary, summary_markdown
+    from flows.report_data import load_reports
     from flows.runtime import make_context
     from flows.train import train_flow
     from tasks.scaling.config import DecisionConfig, FitConfig
