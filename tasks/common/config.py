@@ -277,3 +277,27 @@ def require(cond: bool, field: str, message: str) -> None:
     """Raise ``ValueError("field: message")`` unless ``cond``: the one check idiom of ``__post_init__``."""
     if not cond:
         raise ValueError(f"{field}: {message}")
+
+
+# The shared vocabulary of ``require``: the checks every config repeats, each message written once.
+# A failed check raises ``ValueError("field: must be ..., got value")``; ``from_mapping`` adds the
+# params file, line and section, so the user reads ``params/x.yaml:12: section.field: must be ...``.
+
+def at_least(value: float, bound: float, field: str) -> None:
+    """``field: must be >= bound, got value`` unless ``value >= bound``."""
+    require(value >= bound, field, f"must be >= {bound}, got {value}")
+
+
+def positive(value: float, field: str) -> None:
+    """``field: must be positive, got value`` unless ``value > 0``."""
+    require(value > 0, field, f"must be positive, got {value}")
+
+
+def in_interval(value: float, lo: float, hi: float, field: str, bounds: str = "[]") -> None:
+    """``field: must be in [lo, hi), got value`` unless ``value`` lies in the interval; ``bounds`` gives
+    its ends as written (``"[]"``, ``"[)"``, ``"(]"``, ``"()"``: ``[`` includes the end, ``(`` excludes it)."""
+    if bounds not in ("[]", "[)", "(]", "()"):
+        raise ValueError(f"bounds: expected one of [], [), (], (), got {bounds!r}")
+    above = value >= lo if bounds[0] == "[" else value > lo
+    below = value <= hi if bounds[1] == "]" else value < hi
+    require(above and below, field, f"must be in {bounds[0]}{lo}, {hi}{bounds[1]}, got {value}")

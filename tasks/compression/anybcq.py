@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kernels.group_quant.reference import n_groups
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.common.registry import MethodSpec
 from tasks.compression._calib import calibration_windows, input_statistics, model_seq_len, quantized_linears
 from tasks.compression.packing import PackedWeights, packed_model, refuse_tied
@@ -71,15 +71,15 @@ class AnyBCQConfig(MethodSpec):
                 f"need 1 <= min_bits <= max_bits <= 8, got {self.min_bits}..{self.max_bits}")
         require(self.min_bits <= self.bits <= self.max_bits, "bits",
                 f"must be in min_bits..max_bits = {self.min_bits}..{self.max_bits}, got {self.bits}")
-        require(self.group_size >= 2, "group_size", f"must be >= 2, got {self.group_size}")
-        require(self.iters >= 0, "iters", f"must be >= 0, got {self.iters}")
+        at_least(self.group_size, 2, "group_size")
+        at_least(self.iters, 0, "iters")
         require(self.init in ("uniform", "greedy"), "init", f"must be 'uniform' or 'greedy', got {self.init!r}")
         require(self.weighting in ("activation", "none"), "weighting",
                 f"must be 'activation' or 'none', got {self.weighting!r}")
-        require(self.weight_floor >= 0, "weight_floor", f"must be >= 0, got {self.weight_floor}")
-        require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
-        require(self.max_windows >= 0, "max_windows", f"must be >= 0, got {self.max_windows}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        at_least(self.weight_floor, 0, "weight_floor")
+        at_least(self.seq_len, 2, "seq_len")
+        at_least(self.max_windows, 0, "max_windows")
+        at_least(self.batch_size, 1, "batch_size")
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

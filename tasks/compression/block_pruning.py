@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tasks.common.config import require, to_dict
+from tasks.common.config import at_least, require, to_dict
 from tasks.common.registry import MethodSpec
 from tasks.compression._calib import calibration_windows, model_seq_len
 from tasks.compression.registry import register_pruner
@@ -77,14 +77,14 @@ class BlockPruneConfig(MethodSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.n_remove >= 1, "n_remove", f"must be >= 1, got {self.n_remove}")
+        at_least(self.n_remove, 1, "n_remove")
         require(self.granularity in GRANULARITIES, "granularity",
                 f"must be one of {list(GRANULARITIES)}, got {self.granularity!r}")
-        require(self.keep_first >= 0, "keep_first", f"must be >= 0, got {self.keep_first}")
-        require(self.keep_last >= 0, "keep_last", f"must be >= 0, got {self.keep_last}")
-        require(self.calib_windows >= 1, "calib_windows", f"must be >= 1, got {self.calib_windows}")
-        require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        at_least(self.keep_first, 0, "keep_first")
+        at_least(self.keep_last, 0, "keep_last")
+        at_least(self.calib_windows, 1, "calib_windows")
+        at_least(self.seq_len, 2, "seq_len")
+        at_least(self.batch_size, 1, "batch_size")
         require(0 <= self.skip_first_tokens < self.seq_len, "skip_first_tokens",
                 f"must be in 0..seq_len-1 ({self.seq_len - 1}), got {self.skip_first_tokens}")
 
@@ -110,8 +110,8 @@ class EntroDropConfig(BlockPruneConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.estimator in ESTIMATORS, "estimator", f"must be one of {list(ESTIMATORS)}, got {self.estimator!r}")
-        require(self.knn_k >= 1, "knn_k", f"must be >= 1, got {self.knn_k}")
-        require(self.bins >= 2, "bins", f"must be >= 2, got {self.bins}")
+        at_least(self.knn_k, 1, "knn_k")
+        at_least(self.bins, 2, "bins")
         require(self.phase in PHASES, "phase", f"must be one of {list(PHASES)}, got {self.phase!r}")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.common.registry import MethodSpec
 from tasks.compression.registry import METHODS, parse_settings
 from tasks.zoo.models import PRETRAINED_MODELS
@@ -58,15 +58,15 @@ class CompressionConfig:
         require(not unknown, "pretrained", f"unknown pretrained model(s) {unknown}; known: {list(PRETRAINED_MODELS)}")
         missing = [n for n in self.pretrained_settings if n not in self.settings]
         require(not missing, "pretrained_settings", f"names settings that are not defined: {missing}")
-        require(self.pretrained_eval_tokens >= 2, "pretrained_eval_tokens", f"must be >= 2, got {self.pretrained_eval_tokens}")
-        require(self.pretrained_calib_tokens >= 0, "pretrained_calib_tokens", f"must be >= 0, got {self.pretrained_calib_tokens}")
-        require(self.pretrained_seq_len >= 2, "pretrained_seq_len", f"must be >= 2, got {self.pretrained_seq_len}")
-        require(self.pretrained_batch_size >= 1, "pretrained_batch_size", f"must be >= 1, got {self.pretrained_batch_size}")
+        at_least(self.pretrained_eval_tokens, 2, "pretrained_eval_tokens")
+        at_least(self.pretrained_calib_tokens, 0, "pretrained_calib_tokens")
+        at_least(self.pretrained_seq_len, 2, "pretrained_seq_len")
+        at_least(self.pretrained_batch_size, 1, "pretrained_batch_size")
         METHODS.validate_section(self.settings, self.enabled)
-        require(self.eval_tokens >= 2, "eval_tokens", f"must be >= 2, got {self.eval_tokens}")
+        at_least(self.eval_tokens, 2, "eval_tokens")
         require(self.seq_len is None or self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-        require(self.calib_tokens >= 0, "calib_tokens", f"must be >= 0, got {self.calib_tokens}")
+        at_least(self.batch_size, 1, "batch_size")
+        at_least(self.calib_tokens, 0, "calib_tokens")
         require(len(set(self.models)) == len(self.models), "models", f"has duplicates: {list(self.models)}")
 
     def methods(self) -> dict[str, tuple[str, MethodSpec]]:

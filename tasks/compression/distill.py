@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.lm.windows import token_windows as common_token_windows
 
 LOSSES = ("csd", "kl", "dld")
@@ -192,12 +192,12 @@ class DistillConfig:
         except ValueError as exc:
             raise ValueError(str(exc)) from None
         require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
-        require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+        at_least(self.steps, 1, "steps")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        at_least(self.weight_decay, 0, "weight_decay")
         require(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-        require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
+        at_least(self.batch_size, 1, "batch_size")
+        at_least(self.seq_len, 2, "seq_len")
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None,

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from kernels.group_quant import reference as gq
-from tasks.common.config import require
+from tasks.common.config import at_least, in_interval, require
 from tasks.common.registry import MethodSpec
 from tasks.compression._calib import by_block, calibration_windows, input_statistics, model_seq_len, quantized_linears
 from tasks.compression.packing import PackedWeights, packed_model, refuse_tied
@@ -66,11 +66,11 @@ class GPTQConfig(MethodSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(2 <= self.bits <= 8, "bits", f"must be in 2..8, got {self.bits}")
-        require(self.group_size >= 1, "group_size", f"must be >= 1, got {self.group_size}")
-        require(0 < self.damp <= 1, "damp", f"must be in (0, 1], got {self.damp}")
-        require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
-        require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
-        require(self.max_windows >= 0, "max_windows", f"must be >= 0, got {self.max_windows}")
+        at_least(self.group_size, 1, "group_size")
+        in_interval(self.damp, 0, 1, "damp", "(]")
+        at_least(self.block_size, 1, "block_size")
+        at_least(self.seq_len, 2, "seq_len")
+        at_least(self.max_windows, 0, "max_windows")
 
 
 def _group_params(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:

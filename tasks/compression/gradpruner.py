@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.common.config import require, to_dict
+from tasks.common.config import at_least, require, to_dict
 from tasks.common.registry import MethodSpec
 from tasks.compression._calib import calibration_windows, model_seq_len
 from tasks.compression.block_pruning import (
@@ -77,15 +77,15 @@ class GradPrunerConfig(MethodSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.n_remove >= 1, "n_remove", f"must be >= 1, got {self.n_remove}")
-        require(self.keep_first >= 0, "keep_first", f"must be >= 0, got {self.keep_first}")
-        require(self.keep_last >= 0, "keep_last", f"must be >= 0, got {self.keep_last}")
-        require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
-        require(self.lr >= 0, "lr", f"must be >= 0, got {self.lr}")
-        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-        require(self.calib_windows >= 1, "calib_windows", f"must be >= 1, got {self.calib_windows}")
-        require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
+        at_least(self.n_remove, 1, "n_remove")
+        at_least(self.keep_first, 0, "keep_first")
+        at_least(self.keep_last, 0, "keep_last")
+        at_least(self.steps, 1, "steps")
+        at_least(self.lr, 0, "lr")
+        at_least(self.weight_decay, 0, "weight_decay")
+        at_least(self.batch_size, 1, "batch_size")
+        at_least(self.calib_windows, 1, "calib_windows")
+        at_least(self.seq_len, 2, "seq_len")
         require(self.accumulate in ACCUMULATIONS, "accumulate",
                 f"must be one of {list(ACCUMULATIONS)}, got {self.accumulate!r}")
         require(0.0 <= self.density <= 1.0, "density", f"must be in [0, 1], got {self.density}")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.common.config import require, to_dict
+from tasks.common.config import at_least, require, to_dict
 from tasks.common.registry import MethodSpec
 from tasks.compression.block_pruning import decoder_layers, n_params
 from tasks.compression.registry import register_pruner
@@ -72,8 +72,8 @@ class InherNetConfig(MethodSpec):
         require(self.rank is None or self.rank >= 1, "rank", f"must be >= 1, got {self.rank}")
         require(self.allocation in ALLOCATIONS, "allocation",
                 f"must be one of {list(ALLOCATIONS)}, got {self.allocation!r}")
-        require(self.min_rank >= 1, "min_rank", f"must be >= 1, got {self.min_rank}")
-        require(self.heads >= 1, "heads", f"must be >= 1, got {self.heads}")
+        at_least(self.min_rank, 1, "min_rank")
+        at_least(self.heads, 1, "heads")
         require(self.sigma in SIGMA_SPLITS, "sigma", f"must be one of {list(SIGMA_SPLITS)}, got {self.sigma!r}")
         require(all(isinstance(m, str) and m for m in self.modules), "modules",
                 f"must be non-empty linear names, got {list(self.modules)}")

@@ -23,7 +23,7 @@ from torch import nn
 
 from kernels.group_quant import pack_codes, packed_cols
 from kernels.group_quant.reference import n_groups
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.common.registry import MethodSpec
 from tasks.compression._calib import calibration_windows, decoder_blocks, model_seq_len, quantized_linears
 from tasks.compression.packing import PackedWeights, packed_model, refuse_tied
@@ -72,12 +72,12 @@ class NuBitQConfig(MethodSpec):
         require(list(self.bit_choices) == sorted(set(self.bit_choices)), "bit_choices",
                 f"must be increasing without repeats, got {list(self.bit_choices)}")
         require(self.budget_bits is None or self.budget_bits > 0, "budget_bits", f"must be > 0, got {self.budget_bits}")
-        require(self.group_size >= 2, "group_size", f"must be >= 2, got {self.group_size}")
-        require(self.lloyd_iters >= 0, "lloyd_iters", f"must be >= 0, got {self.lloyd_iters}")
+        at_least(self.group_size, 2, "group_size")
+        at_least(self.lloyd_iters, 0, "lloyd_iters")
         require(0.0 <= self.outlier_frac < 0.5, "outlier_frac", f"must be in [0, 0.5), got {self.outlier_frac}")
-        require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
-        require(self.max_windows >= 0, "max_windows", f"must be >= 0, got {self.max_windows}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        at_least(self.seq_len, 2, "seq_len")
+        at_least(self.max_windows, 0, "max_windows")
+        at_least(self.batch_size, 1, "batch_size")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 
 DEGRADATIONS = ("jsd", "loss")
 ALLOCATIONS = ("mass", "mean")
@@ -49,9 +49,9 @@ class PaserConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        require(self.n_clusters >= 1, "n_clusters", f"must be >= 1, got {self.n_clusters}")
-        require(self.manifold_dim >= 1, "manifold_dim", f"must be >= 1, got {self.manifold_dim}")
-        require(self.n_neighbors >= 2, "n_neighbors", f"must be >= 2, got {self.n_neighbors}")
+        at_least(self.n_clusters, 1, "n_clusters")
+        at_least(self.manifold_dim, 1, "manifold_dim")
+        at_least(self.n_neighbors, 2, "n_neighbors")
         require(self.degradation in DEGRADATIONS, "degradation", f"must be one of {list(DEGRADATIONS)}, got {self.degradation!r}")
         require(self.allocation in ALLOCATIONS, "allocation", f"must be one of {list(ALLOCATIONS)}, got {self.allocation!r}")
         require(self.cost in COSTS, "cost", f"must be one of {list(COSTS)}, got {self.cost!r}")
@@ -59,7 +59,7 @@ class PaserConfig:
                 f"must be in [0, 1), got {self.irrelevant_quantile}")
         require(0 < self.redundancy_threshold <= 1, "redundancy_threshold",
                 f"must be in (0, 1] (1 = keep duplicates), got {self.redundancy_threshold}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        at_least(self.batch_size, 1, "batch_size")
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tasks.common.config import require, to_dict
+from tasks.common.config import at_least, in_interval, require, to_dict
 from tasks.common.patterns import matches_any
 from tasks.common.registry import MethodSpec
 from tasks.compression.distill import LOSSES, DistillConfig, recover, token_windows
@@ -88,16 +88,16 @@ class RecoveryConfig:
         bad = [x for x in self.losses if x not in RECOVERY_LOSSES]
         require(not bad, "losses", f"unknown loss(es) {bad}; choose from {list(RECOVERY_LOSSES)}")
         require(len(set(self.losses)) == len(self.losses), "losses", f"has duplicates: {list(self.losses)}")
-        require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+        at_least(self.steps, 1, "steps")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-        require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
+        at_least(self.batch_size, 1, "batch_size")
+        at_least(self.seq_len, 2, "seq_len")
         require(self.tokens >= self.seq_len, "tokens", f"must be >= seq_len ({self.seq_len}), got {self.tokens}")
         bad = [x for x in self.data_select if x not in DATA_SELECTORS]
         require(not bad and len(self.data_select) > 0, "data_select",
                 f"must name one or more of {list(DATA_SELECTORS)}, got {list(self.data_select)}")
         require(len(set(self.data_select)) == len(self.data_select), "data_select", f"has duplicates: {list(self.data_select)}")
-        require(0 < self.budget <= 1, "budget", f"must be in (0, 1], got {self.budget}")
+        in_interval(self.budget, 0, 1, "budget", "(]")
         require(len(self.data_select) == 1 or self.budget < 1, "budget",
                 f"must be < 1 to compare selectors {list(self.data_select)} (at 1 each takes every window)")
         require(self.curve_every >= 0, "curve_every",
@@ -198,8 +198,8 @@ class PruningConfig:
         for key in ("eval_tokens", "pretrained_eval_tokens", "pretrained_seq_len"):
             require(getattr(self, key) >= 2, key, f"must be >= 2, got {getattr(self, key)}")
         require(self.seq_len is None or self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-        require(self.pretrained_batch_size >= 1, "pretrained_batch_size", f"must be >= 1, got {self.pretrained_batch_size}")
+        at_least(self.batch_size, 1, "batch_size")
+        at_least(self.pretrained_batch_size, 1, "pretrained_batch_size")
         require(len(set(self.models)) == len(self.models), "models", f"has duplicates: {list(self.models)}")
         for key in ("num_threads", "pretrained_num_threads"):
             require(getattr(self, key) >= 0, key, f"must be >= 0 (0 = torch's default), got {getattr(self, key)}")

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from kernels.group_quant import dequantize, quantize
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.common.patterns import matches_any
 from tasks.common.registry import MethodSpec
 from kernels.group_quant.reference import FP16_MIN_NORMAL, n_groups
@@ -52,7 +52,7 @@ class RTNConfig(MethodSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(2 <= self.bits <= 8, "bits", f"must be in 2..8, got {self.bits}")
-        require(self.group_size >= 1, "group_size", f"must be >= 1, got {self.group_size}")
+        at_least(self.group_size, 1, "group_size")
 
 
 def symmetric_quantize(w: torch.Tensor, *, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

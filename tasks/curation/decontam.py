@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.curation.dedup import _splitmix64, _word_hash
 from tasks.curation.filters import FilterResult
 
@@ -66,7 +66,7 @@ class DecontaminationConfig:
     threshold: float = 0.5
 
     def __post_init__(self) -> None:
-        require(self.ngram >= 1, "ngram", f"must be >= 1, got {self.ngram}")
+        at_least(self.ngram, 1, "ngram")
         require(0.0 < self.threshold <= 1.0, "threshold", f"must be in (0, 1], got {self.threshold}")
 
 

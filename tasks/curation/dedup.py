@@ -28,7 +28,7 @@ import polars as pl
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -59,9 +59,9 @@ class MinHashConfig:
     batch_shingles: int = 8_192
 
     def __post_init__(self) -> None:
-        require(self.ngram >= 1, "ngram", f"must be >= 1, got {self.ngram}")
-        require(self.bands >= 1, "bands", f"must be >= 1, got {self.bands}")
-        require(self.rows >= 1, "rows", f"must be >= 1, got {self.rows}")
+        at_least(self.ngram, 1, "ngram")
+        at_least(self.bands, 1, "bands")
+        at_least(self.rows, 1, "rows")
         require(self.hash_bits in (32, 64), "hash_bits", f"must be 32 or 64, got {self.hash_bits}")
         require(self.threshold is None or 0.7 <= self.threshold <= 1.0, "threshold",
                 f"must be in [0.7, 1.0] or null, got {self.threshold}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.common.config import require
+from tasks.common.config import at_least, in_interval, require
 from tasks.common.patterns import matches_any
 from tasks.evaluation.requests import check_task_names
 from tasks.evaluation.scoring import ScoringConfig
@@ -37,7 +37,7 @@ class SmolLM2EvalConfig:
         return matches_any(setting, self.artifacts)
 
     def __post_init__(self) -> None:
-        require(self.limit >= 1, "limit", f"must be >= 1, got {self.limit}")
+        at_least(self.limit, 1, "limit")
         _validate_settings(self.compression, self.sparse)
 
 
@@ -93,11 +93,11 @@ class EvaluateConfig:
             raise ValueError(f"tasks: {exc}") from None
         require(len(set(self.tasks)) == len(self.tasks), "tasks", f"has duplicates: {list(self.tasks)}")
         require(self.shots in (0, 5), "shots", f"must be 0 or 5 (OLMo's rc formats), got {self.shots}")
-        require(self.limit >= 1, "limit", f"must be >= 1, got {self.limit}")
-        require(self.variant_top >= 0, "variant_top", f"must be >= 0, got {self.variant_top}")
-        require(self.calib_tokens >= 0, "calib_tokens", f"must be >= 0, got {self.calib_tokens}")
-        require(0 < self.confidence < 1, "confidence", f"must be in (0, 1), got {self.confidence}")
-        require(self.num_threads >= 1, "num_threads", f"must be >= 1, got {self.num_threads}")
+        at_least(self.limit, 1, "limit")
+        at_least(self.variant_top, 0, "variant_top")
+        at_least(self.calib_tokens, 0, "calib_tokens")
+        in_interval(self.confidence, 0, 1, "confidence", "()")
+        at_least(self.num_threads, 1, "num_threads")
         require(len(set(self.models)) == len(self.models), "models", f"has duplicates: {list(self.models)}")
         _validate_settings({}, self.sparse)
 

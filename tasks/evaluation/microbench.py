@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.common.parallel import single_threaded_blas
 
 METHODS = ("random", "stratified", "anchor_points", "learned_anchors")
@@ -84,13 +84,13 @@ class MicrobenchConfig:
                 f"edges must lie in [0, 1] (accuracy, not points), got {list(edges)}")
         require(all(a < b for a, b in zip(edges, edges[1:])), "gap_bins",
                 f"edges must increase strictly, got {list(edges)}")
-        require(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
-        require(self.folds >= 2, "folds", f"must be >= 2, got {self.folds}")
-        require(self.min_outcomes >= 1, "min_outcomes", f"must be >= 1, got {self.min_outcomes}")
-        require(self.strata >= 1, "strata", f"must be >= 1, got {self.strata}")
-        require(self.kmedoids_iters >= 1, "kmedoids_iters", f"must be >= 1, got {self.kmedoids_iters}")
+        at_least(self.repeats, 1, "repeats")
+        at_least(self.folds, 2, "folds")
+        at_least(self.min_outcomes, 1, "min_outcomes")
+        at_least(self.strata, 1, "strata")
+        at_least(self.kmedoids_iters, 1, "kmedoids_iters")
         require(self.ridge >= 0 and math.isfinite(self.ridge), "ridge", f"must be >= 0, got {self.ridge}")
-        require(self.max_iter >= 1, "max_iter", f"must be >= 1, got {self.max_iter}")
+        at_least(self.max_iter, 1, "max_iter")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -665,7 +665,7 @@ class MicrobenchStageConfig:
         require(len(self.sizes) > 0 and all(n >= 1 for n in self.sizes), "sizes",
                 f"must be positive item counts, got {list(self.sizes)}")
         require(len(set(self.sizes)) == len(self.sizes), "sizes", f"has duplicates: {list(self.sizes)}")
-        require(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
+        at_least(self.repeats, 1, "repeats")
         self.compare_config()  # methods / probability checked where they are defined
 
     def compare_config(self) -> MicrobenchConfig:

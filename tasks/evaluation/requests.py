@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.lm.tokenizer import TextTokenizer
 
 UNCONDITIONAL_DOC_ID = 1_000_000
@@ -177,7 +177,7 @@ def encode_items(items: Sequence[TaskItem], tokenizer: TextTokenizer, *, model_c
     garbage there) raises ``ValueError`` naming it, or, when ``skipped`` is a list, is left out and
     its ``doc_id`` appended to it (a ladder rung with a 64-token window meets long HellaSwag endings).
     """
-    require(model_ctx_len >= 2, "model_ctx_len", f"must be >= 2, got {model_ctx_len}")
+    at_least(model_ctx_len, 2, "model_ctx_len")
     texts = sorted({s for it in items for s in (*it.contexts, *it.continuations)})
     ids = dict(zip(texts, tokenizer.encode_batch(texts, add_special_tokens=False)))
     bos = tokenizer.bos_token_id

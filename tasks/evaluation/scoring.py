@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tasks.common.config import require
+from tasks.common.config import at_least
 from tasks.evaluation.requests import EncodedItem
 
 LOG_2_OF_E = 1.44269504089  # the library's constant (olmo_eval.metrics.LOG_2_OF_E)
@@ -49,9 +49,9 @@ class ScoringConfig:
     progress: int = 2000
 
     def __post_init__(self) -> None:
-        require(self.batch_tokens >= 16, "batch_tokens", f"must be >= 16, got {self.batch_tokens}")
-        require(self.row_tokens >= 16, "row_tokens", f"must be >= 16, got {self.row_tokens}")
-        require(self.progress >= 0, "progress", f"must be >= 0, got {self.progress}")
+        at_least(self.batch_tokens, 16, "batch_tokens")
+        at_least(self.row_tokens, 16, "row_tokens")
+        at_least(self.progress, 0, "progress")
 
 
 # Families whose logits are head(decoder(x)) and whose decoder takes a 4D attention mask and position

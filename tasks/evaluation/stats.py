@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tasks.common.config import require
+from tasks.common.config import at_least, in_interval, require
 from tasks.evaluation.requests import EncodedItem
 from tasks.evaluation.scoring import ItemResult
 
@@ -30,9 +30,9 @@ def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
     """
     from scipy.stats import norm  # lazy: scipy.stats is slow to import and only this interval needs it
 
-    require(n >= 1, "n", f"must be >= 1, got {n}")
+    at_least(n, 1, "n")
     require(0 <= k <= n, "k", f"must be in [0, n={n}], got {k}")
-    require(0 < confidence < 1, "confidence", f"must be in (0, 1), got {confidence}")
+    in_interval(confidence, 0, 1, "confidence", "()")
     z = float(norm.ppf(0.5 + confidence / 2))
     p = k / n
     denom = 1 + z * z / n

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tasks.common.config import require
+from tasks.common.config import at_least, in_interval, require
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,9 +45,9 @@ class TaskLawConfig:
     n_jobs: int = 2
 
     def __post_init__(self) -> None:
-        require(self.n_bootstrap >= 0, "n_bootstrap", f"must be >= 0, got {self.n_bootstrap}")
-        require(self.n_jobs >= 1, "n_jobs", f"must be >= 1, got {self.n_jobs}")
-        require(0 < self.confidence < 1, "confidence", f"must be in (0, 1), got {self.confidence}")
+        at_least(self.n_bootstrap, 0, "n_bootstrap")
+        at_least(self.n_jobs, 1, "n_jobs")
+        in_interval(self.confidence, 0, 1, "confidence", "()")
         require(self.min_sigmoid_points >= 4, "min_sigmoid_points", f"must be >= 4 (a, k, b0, c), got {self.min_sigmoid_points}")
         require(all(len(t) == 2 and t[0] > 0 and t[1] > 0 for t in self.targets), "targets",
                 f"each must be a positive [N, D] pair, got {list(self.targets)}")

@@ -38,7 +38,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import nn
 
-from tasks.common.config import require
+from tasks.common.config import positive, require
 
 _HF_IMPORT = threading.RLock()
 
@@ -96,9 +96,9 @@ class ModelShape:
     ffn_multiple_of: int = 32
 
     def __post_init__(self) -> None:
-        require(self.d_model > 0, "d_model", f"must be positive, got {self.d_model}")
-        require(self.n_layers > 0, "n_layers", f"must be positive, got {self.n_layers}")
-        require(self.n_heads > 0, "n_heads", f"must be positive, got {self.n_heads}")
+        positive(self.d_model, "d_model")
+        positive(self.n_layers, "n_layers")
+        positive(self.n_heads, "n_heads")
         require(self.d_model % self.n_heads == 0, "n_heads",
                 f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         require((self.d_model // self.n_heads) % 2 == 0, "n_heads",
@@ -106,8 +106,8 @@ class ModelShape:
         if self.n_kv_heads is not None:
             require(self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
                     f"must divide n_heads {self.n_heads}, got {self.n_kv_heads}")
-        require(self.ffn_mult > 0, "ffn_mult", f"must be positive, got {self.ffn_mult}")
-        require(self.ffn_multiple_of > 0, "ffn_multiple_of", f"must be positive, got {self.ffn_multiple_of}")
+        positive(self.ffn_mult, "ffn_mult")
+        positive(self.ffn_multiple_of, "ffn_multiple_of")
 
     @property
     def head_dim(self) -> int:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tasks.common.config import require
+from tasks.common.config import at_least, in_interval, require
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,17 +50,17 @@ class DecisionConfig:
         require(bool(self.reference), "reference", "must name a trained series, got an empty string")
         require(self.reference not in self.compared, "compared",
                 f"must not contain the reference {self.reference!r}")
-        require(self.n_bootstrap >= 100, "n_bootstrap", f"must be >= 100, got {self.n_bootstrap}")
+        at_least(self.n_bootstrap, 100, "n_bootstrap")
         require(set(self.shared) <= {"alpha", "beta"}, "shared",
                 f"may only list 'alpha' and 'beta', got {list(self.shared)}")
         require(0 < self.grid_lo < self.grid_hi, "grid_lo", f"need 0 < grid_lo < grid_hi, got {self.grid_lo}, {self.grid_hi}")
-        require(self.grid_steps >= 3, "grid_steps", f"must be >= 3, got {self.grid_steps}")
-        require(self.zoom_steps >= 1, "zoom_steps", f"must be >= 1, got {self.zoom_steps}")
-        require(self.fit_bootstrap >= 0, "fit_bootstrap", f"must be >= 0, got {self.fit_bootstrap}")
-        require(self.nested_bootstrap >= 0, "nested_bootstrap", f"must be >= 0, got {self.nested_bootstrap}")
+        at_least(self.grid_steps, 3, "grid_steps")
+        at_least(self.zoom_steps, 1, "zoom_steps")
+        at_least(self.fit_bootstrap, 0, "fit_bootstrap")
+        at_least(self.nested_bootstrap, 0, "nested_bootstrap")
         require(len(self.target_multiples) >= 1 and all(m > 1 and math.isfinite(m) for m in self.target_multiples),
                 "target_multiples", f"must list multiples > 1 of the largest trained budget, got {self.target_multiples}")
-        require(0 < self.confidence < 1, "confidence", f"must be in (0, 1), got {self.confidence}")
+        in_interval(self.confidence, 0, 1, "confidence", "()")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,11 +193,11 @@ class FitConfig:
 
     def __post_init__(self) -> None:
         require(self.huber_delta > 0, "huber_delta", f"must be > 0, got {self.huber_delta}")
-        require(self.n_bootstrap >= 0, "n_bootstrap", f"must be >= 0, got {self.n_bootstrap}")
+        at_least(self.n_bootstrap, 0, "n_bootstrap")
         require(self.derived_n_bootstrap is None or self.derived_n_bootstrap >= 0, "derived_n_bootstrap",
                 f"must be >= 0 or null, got {self.derived_n_bootstrap}")
-        require(self.n_jobs >= 1, "n_jobs", f"must be >= 1, got {self.n_jobs}")
-        require(0 < self.confidence < 1, "confidence", f"must be in (0, 1), got {self.confidence}")
+        at_least(self.n_jobs, 1, "n_jobs")
+        in_interval(self.confidence, 0, 1, "confidence", "()")
         require(0 < self.reversal_confidence < 1, "reversal_confidence",
                 f"must be in (0, 1), got {self.reversal_confidence}")
         for name in ("grid_alpha", "grid_beta", "grid_e", "grid_a", "grid_b"):
@@ -218,8 +218,8 @@ class FitConfig:
         require(self.lbfgs_gtol > 0, "lbfgs_gtol", f"must be > 0, got {self.lbfgs_gtol}")
         require(self.optimizer in ("batched", "scipy"), "optimizer",
                 f"must be 'batched' or 'scipy', got {self.optimizer!r}")
-        require(self.newton_maxiter >= 1, "newton_maxiter", f"must be >= 1, got {self.newton_maxiter}")
-        require(self.lbfgs_maxiter >= 1, "lbfgs_maxiter", f"must be >= 1, got {self.lbfgs_maxiter}")
+        at_least(self.newton_maxiter, 1, "newton_maxiter")
+        at_least(self.lbfgs_maxiter, 1, "lbfgs_maxiter")
         require(self.bootstrap_n_starts >= 0, "bootstrap_n_starts",
                 f"must be >= 0, got {self.bootstrap_n_starts}")
         for name, least in (("bootstrap_min_distinct_n", 1), ("bootstrap_min_distinct_d", 1),
@@ -234,12 +234,12 @@ class FitConfig:
                 f"must be in (0, 1], got {self.max_abs_rho_alpha_beta}")
         require(self.max_backtest_rel_error > 0, "max_backtest_rel_error",
                 f"must be > 0, got {self.max_backtest_rel_error}")
-        require(self.backtest_bootstrap >= 0, "backtest_bootstrap", f"must be >= 0, got {self.backtest_bootstrap}")
+        at_least(self.backtest_bootstrap, 0, "backtest_bootstrap")
         require(all(d > 0 and math.isfinite(d) for d in self.huber_delta_sensitivity), "huber_delta_sensitivity",
                 f"must be positive finite deltas, got {self.huber_delta_sensitivity}")
-        require(self.exclude_top_loss >= 0, "exclude_top_loss", f"must be >= 0, got {self.exclude_top_loss}")
-        require(self.min_points >= 1, "min_points", f"must be >= 1, got {self.min_points}")
-        require(self.min_n_decades >= 0, "min_n_decades", f"must be >= 0, got {self.min_n_decades}")
+        at_least(self.exclude_top_loss, 0, "exclude_top_loss")
+        at_least(self.min_points, 1, "min_points")
+        at_least(self.min_n_decades, 0, "min_n_decades")
         require(self.isoflop_log10_tolerance > 0, "isoflop_log10_tolerance",
                 f"must be > 0, got {self.isoflop_log10_tolerance}")
         require(self.isoflop_min_points >= 3, "isoflop_min_points",

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tasks.common.config import require
+from tasks.common.config import at_least, in_interval, positive, require
 from tasks.evaluation.requests import check_task_names
 from tasks.evaluation.scoring import ScoringConfig
 
@@ -69,13 +69,13 @@ class PoolConfig:
             parse_shape(s, field="shapes")
         require(len(self.ops) > 0 and all(o and set(o) <= {"+", "-"} for o in self.ops), "ops",
                 f"each entry is '+', '-' or '+-', got {list(self.ops)}")
-        require(self.seeds >= 1, "seeds", f"must be >= 1, got {self.seeds}")
+        at_least(self.seeds, 1, "seeds")
         require(len(self.snapshot_steps) > 0 and all(s > 0 for s in self.snapshot_steps)
                 and list(self.snapshot_steps) == sorted(set(self.snapshot_steps)), "snapshot_steps",
                 f"need increasing positive steps, got {list(self.snapshot_steps)}")
-        require(self.lr > 0, "lr", f"must be positive, got {self.lr}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-        require(self.workers >= 1, "workers", f"must be >= 1, got {self.workers}")
+        positive(self.lr, "lr")
+        at_least(self.batch_size, 1, "batch_size")
+        at_least(self.workers, 1, "workers")
 
     @property
     def n_models(self) -> int:
@@ -97,14 +97,14 @@ class PredictorConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        require(self.hidden >= 1, "hidden", f"must be >= 1, got {self.hidden}")
-        require(self.n_blocks >= 0, "n_blocks", f"must be >= 0, got {self.n_blocks}")
-        require(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
-        require(self.lr > 0, "lr", f"must be positive, got {self.lr}")
-        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-        require(self.noise >= 0, "noise", f"must be >= 0, got {self.noise}")
-        require(0 <= self.holdout_frac < 1, "holdout_frac", f"must be in [0, 1), got {self.holdout_frac}")
+        at_least(self.hidden, 1, "hidden")
+        at_least(self.n_blocks, 0, "n_blocks")
+        at_least(self.epochs, 1, "epochs")
+        positive(self.lr, "lr")
+        at_least(self.weight_decay, 0, "weight_decay")
+        at_least(self.batch_size, 1, "batch_size")
+        at_least(self.noise, 0, "noise")
+        in_interval(self.holdout_frac, 0, 1, "holdout_frac", "[)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,11 +124,11 @@ class FinetuneConfig:
     cooldown_frac: float = 0.2   # linear decay to 0 over this share of the steps
 
     def __post_init__(self) -> None:
-        require(0 <= self.cooldown_frac <= 1, "cooldown_frac", f"must be in [0, 1], got {self.cooldown_frac}")
-        require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
-        require(self.epochs > 0, "epochs", f"must be positive, got {self.epochs}")
-        require(self.lr > 0, "lr", f"must be positive, got {self.lr}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        in_interval(self.cooldown_frac, 0, 1, "cooldown_frac", "[]")
+        at_least(self.steps, 1, "steps")
+        positive(self.epochs, "epochs")
+        positive(self.lr, "lr")
+        at_least(self.batch_size, 1, "batch_size")
 
 
 @dataclass(frozen=True)
@@ -206,10 +206,10 @@ class OlmoEvalSetting:
             check_task_names(self.tasks)
         except ValueError as exc:
             raise ValueError(f"tasks: {exc}") from None
-        require(self.shots >= 0, "shots", f"must be >= 0, got {self.shots}")
-        require(self.n_pool >= 10, "n_pool", f"must be >= 10, got {self.n_pool}")
-        require(self.n_seed >= 10, "n_seed", f"must be >= 10, got {self.n_seed}")
-        require(self.n_test >= 10, "n_test", f"must be >= 10, got {self.n_test}")
+        at_least(self.shots, 0, "shots")
+        at_least(self.n_pool, 10, "n_pool")
+        at_least(self.n_seed, 10, "n_seed")
+        at_least(self.n_test, 10, "n_test")
         require(bool(self.target), "target", "give a model spec (smollm2 or a model folder)")
         require(len(self.pool) >= 2 and len(set(self.pool)) == len(self.pool), "pool",
                 f"need at least 2 distinct pool models, got {list(self.pool)}")
@@ -217,9 +217,9 @@ class OlmoEvalSetting:
             parse_pool_variant(tag, field="pool")
         require(self.target not in self.pool, "pool", f"the target {self.target!r} is seen only on the seed set; "
                 "leave it out of the pool")
-        require(self.calib_windows >= 1, "calib_windows", f"must be >= 1, got {self.calib_windows}")
-        require(self.model_ctx_len >= 16, "model_ctx_len", f"must be >= 16, got {self.model_ctx_len}")
-        require(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
+        at_least(self.calib_windows, 1, "calib_windows")
+        at_least(self.model_ctx_len, 16, "model_ctx_len")
+        at_least(self.repeats, 1, "repeats")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,9 +258,9 @@ class SelectConfig:
     def __post_init__(self) -> None:
         require(len(self.settings) > 0 and len(set(self.settings)) == len(self.settings), "settings",
                 f"need distinct settings from {list(SETTINGS)}, got {list(self.settings)}")
-        require(self.n_pool >= 10, "n_pool", f"must be >= 10, got {self.n_pool}")
-        require(self.n_seed >= 10, "n_seed", f"must be >= 10, got {self.n_seed}")
-        require(self.n_test >= 10, "n_test", f"must be >= 10, got {self.n_test}")
+        at_least(self.n_pool, 10, "n_pool")
+        at_least(self.n_seed, 10, "n_seed")
+        at_least(self.n_test, 10, "n_test")
         require(len(self.targets) > 0, "targets", "need at least one target shape")
         for t in self.targets:
             parse_shape(t, field="targets")
@@ -273,12 +273,12 @@ class SelectConfig:
                 f"each must be in (0, 1), got {list(self.k_fractions)}")
         require(len(self.methods) > 0 and len(set(self.methods)) == len(self.methods), "methods",
                 f"need distinct methods from {list(METHODS)}, got {list(self.methods)}")
-        require(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
+        at_least(self.repeats, 1, "repeats")
         longest = 2 * self.family.max_digits + 2 + self.family.max_digits + 2
         require(self.seq_len >= longest, "seq_len", f"must hold the longest question and answer ({longest}), "
                 f"got {self.seq_len}")
-        require(self.num_threads >= 1, "num_threads", f"must be >= 1, got {self.num_threads}")
-        require(self.embed_batch_size >= 1, "embed_batch_size", f"must be >= 1, got {self.embed_batch_size}")
+        at_least(self.num_threads, 1, "num_threads")
+        at_least(self.embed_batch_size, 1, "embed_batch_size")
 
     def ks(self, n_pool: int | None = None) -> list[int]:
         """Selection sizes: ``round(f * n_pool)`` for each fraction, at least 1, distinct

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.sparse.attention import AttentionSparsity, _repeat_kv, attend_lists, attend_subset, solve_keep_share
 from tasks.sparse.registry import SparseMethodSpec, register_sparsifier
 
@@ -54,13 +54,13 @@ class ProxyAttnConfig(SparseMethodSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        at_least(self.block_size, 1, "block_size")
         require(self.group_size is None or self.group_size >= 1, "group_size",
                 f"must be >= 1 or null (the GQA group), got {self.group_size}")
-        require(self.budget_queries >= 1, "budget_queries", f"must be >= 1, got {self.budget_queries}")
+        at_least(self.budget_queries, 1, "budget_queries")
         require(self.proxy_queries is None or self.proxy_queries >= 1, "proxy_queries",
                 f"must be >= 1 or null (every query of the block), got {self.proxy_queries}")
-        require(self.min_blocks >= 0, "min_blocks", f"must be >= 0, got {self.min_blocks}")
+        at_least(self.min_blocks, 0, "min_blocks")
         require(0.0 <= self.floor_ratio <= 1.0, "floor_ratio", f"must be in [0, 1], got {self.floor_ratio}")
         require(self.ceiling_ratio >= 1.0, "ceiling_ratio", f"must be >= 1, got {self.ceiling_ratio}")
 

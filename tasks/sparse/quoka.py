@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.sparse.attention import AttentionSparsity, attend_subset, solve_keep_share
 from tasks.sparse.registry import SparseMethodSpec, register_sparsifier
 
@@ -44,9 +44,9 @@ class QuokaConfig(SparseMethodSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.chunk_size >= 1, "chunk_size", f"must be >= 1, got {self.chunk_size}")
-        require(self.n_queries >= 1, "n_queries", f"must be >= 1, got {self.n_queries}")
-        require(self.min_keys >= 1, "min_keys", f"must be >= 1, got {self.min_keys}")
+        at_least(self.chunk_size, 1, "chunk_size")
+        at_least(self.n_queries, 1, "n_queries")
+        at_least(self.min_keys, 1, "min_keys")
 
 
 def quoka_select(q: torch.Tensor, k: torch.Tensor, n_keep: int, n_queries: int, aggregate: str, *,

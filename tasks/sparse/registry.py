@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.common.registry import MethodRegistry, MethodSpec, RegisteredMethod
 from tasks.zoo.models import PRETRAINED_MODELS
 from tasks.sparse.retrieval import RetrievalConfig
@@ -214,10 +214,10 @@ class SparseEvalConfig:
     def __post_init__(self) -> None:
         require(len(self.settings) > 0, "settings", "needs at least one setting")
         SPARSIFIERS.validate_section(self.settings, self.enabled)
-        require(self.eval_tokens >= 2, "eval_tokens", f"must be >= 2, got {self.eval_tokens}")
-        require(self.calib_tokens >= 0, "calib_tokens", f"must be >= 0, got {self.calib_tokens}")
+        at_least(self.eval_tokens, 2, "eval_tokens")
+        at_least(self.calib_tokens, 0, "calib_tokens")
         require(self.seq_len is None or self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        at_least(self.batch_size, 1, "batch_size")
         require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0 = torch's default), got {self.num_threads}")
         require(len(set(self.models)) == len(self.models), "models", f"has duplicates: {list(self.models)}")
         unknown = [p for p in self.pretrained if p not in PRETRAINED_MODELS]
@@ -231,7 +231,7 @@ class SparseEvalConfig:
                 f"{self.pretrained_eval_tokens} is less than one")
         require(self.speed in ("all", "attention", "none"), "speed",
                 f"expected one of all, attention, none, got {self.speed!r}")
-        require(self.pretrained_batch_size >= 1, "pretrained_batch_size", f"must be >= 1, got {self.pretrained_batch_size}")
+        at_least(self.pretrained_batch_size, 1, "pretrained_batch_size")
         require(self.pretrained_num_threads >= 0, "pretrained_num_threads",
                 f"must be >= 0 (0 = torch's default), got {self.pretrained_num_threads}")
         if self.retrieval:

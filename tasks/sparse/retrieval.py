@@ -25,7 +25,7 @@ import polars as pl
 import torch
 from torch import nn
 
-from tasks.common.config import require
+from tasks.common.config import at_least, in_interval, require
 from tasks.sparse.attention import AttentionSparsity
 
 NAMES = ("Maria", "James", "Aiko", "Omar", "Lena", "Pavel", "Chloe", "Ravi", "Ingrid", "Tomas", "Zara", "Kofi",
@@ -56,9 +56,9 @@ class RetrievalConfig:
                 f"needs at least one length, each >= 64 tokens, got {list(self.lengths)}")
         require(len(self.depths) > 0 and all(0.0 <= d <= 1.0 for d in self.depths), "depths",
                 f"needs at least one depth, each in [0, 1], got {list(self.depths)}")
-        require(self.items_per_depth >= 1, "items_per_depth", f"must be >= 1, got {self.items_per_depth}")
-        require(1 <= self.n_distractors <= 1000, "n_distractors", f"must be in [1, 1000], got {self.n_distractors}")
-        require(self.snap_tokens >= 0, "snap_tokens", f"must be >= 0, got {self.snap_tokens}")
+        at_least(self.items_per_depth, 1, "items_per_depth")
+        in_interval(self.n_distractors, 1, 1000, "n_distractors", "[]")
+        at_least(self.snap_tokens, 0, "snap_tokens")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tasks.common.config import require
+from tasks.common.config import at_least, require
 from tasks.common.patterns import matches_any
 from tasks.lm.windows import token_windows
 from tasks.sparse.registry import ActivationSparsity, SparseMethodSpec, register_sparsifier
@@ -76,10 +76,10 @@ class MagnitudeConfig(SparseMethodSpec):
                 f"must be in (0, 1], got {self.greedy_last_fraction}")
         require(max(self.sparsities) < self.greedy_max_level < 1.0, "greedy_max_level",
                 f"must lie between the highest sparsity ({max(self.sparsities)}) and 1, got {self.greedy_max_level}")
-        require(self.greedy_windows >= 1, "greedy_windows", f"must be >= 1, got {self.greedy_windows}")
-        require(self.calib_seq_len >= 1, "calib_seq_len", f"must be >= 1, got {self.calib_seq_len}")
-        require(self.calib_batch_size >= 1, "calib_batch_size", f"must be >= 1, got {self.calib_batch_size}")
-        require(self.max_calib_values >= 1000, "max_calib_values", f"must be >= 1000, got {self.max_calib_values}")
+        at_least(self.greedy_windows, 1, "greedy_windows")
+        at_least(self.calib_seq_len, 1, "calib_seq_len")
+        at_least(self.calib_batch_size, 1, "calib_batch_size")
+        at_least(self.max_calib_values, 1000, "max_calib_values")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tasks.common.config import require
+from tasks.common.config import at_least, positive, require
 from tasks.lm.model import ModelShape
 
 
@@ -55,13 +55,13 @@ class RePBConfig:
         require(not (self.enabled and self.compare), "repb.compare",
                 "set either enabled (prune every run) or compare (variants trained with and without RePB)")
         require(len(set(self.compare)) == len(self.compare), "repb.compare", f"has duplicates: {self.compare}")
-        require(self.window >= 1, "repb.window", f"must be >= 1, got {self.window}")
+        at_least(self.window, 1, "repb.window")
         require(self.score_norm in ("zscore", "center", "rank", "none"), "repb.score_norm",
                 f"must be zscore, center, rank or none, got {self.score_norm!r}")
         require(self.frequency_regions >= 0, "repb.frequency_regions",
                 f"must be >= 0 (0: per sample), got {self.frequency_regions}")
         require(0.0 < self.keep_ratio <= 1.0, "repb.keep_ratio", f"must be in (0, 1], got {self.keep_ratio}")
-        require(self.prior > 0, "repb.prior", f"must be positive, got {self.prior}")
+        positive(self.prior, "repb.prior")
         require(0 < self.weight_min <= 1.0 <= self.weight_max, "repb.weight_min",
                 f"need 0 < weight_min <= 1 <= weight_max, got {self.weight_min}, {self.weight_max}")
 
@@ -199,7 +199,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         require(self.vocab_size >= 256, "vocab_size", f"must be >= 256 (byte-level BPE), got {self.vocab_size}")
-        require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
+        at_least(self.seq_len, 2, "seq_len")
         require(len(self.sizes) > 0, "sizes", "needs at least one model shape")
         require(all(isinstance(s, ModelShape) for s in self.sizes), "sizes",
                 "every item must be a ModelShape")
@@ -227,18 +227,18 @@ class TrainingConfig:
                 f"must be >= 0 or null, got {self.warmup_steps}")
         require(self.lr_ref_width is None or self.lr_ref_width > 0, "lr_ref_width",
                 f"must be positive or null, got {self.lr_ref_width}")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-        require(self.grad_accum >= 1, "grad_accum", f"must be >= 1, got {self.grad_accum}")
-        require(self.lr > 0, "lr", f"must be positive, got {self.lr}")
+        at_least(self.batch_size, 1, "batch_size")
+        at_least(self.grad_accum, 1, "grad_accum")
+        positive(self.lr, "lr")
         require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         require(0.0 <= self.warmup_frac < 1.0, "warmup_frac", f"must be in [0, 1), got {self.warmup_frac}")
-        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        at_least(self.weight_decay, 0, "weight_decay")
         require(all(0.0 <= b < 1.0 for b in self.betas), "betas", f"must be in [0, 1), got {self.betas}")
         require(self.grad_clip >= 0, "grad_clip", f"must be >= 0 (0 disables), got {self.grad_clip}")
-        require(self.eval_interval >= 1, "eval_interval", f"must be >= 1, got {self.eval_interval}")
+        at_least(self.eval_interval, 1, "eval_interval")
         require(self.eval_tokens > self.seq_len, "eval_tokens",
                 f"must exceed seq_len {self.seq_len} (at least one window), got {self.eval_tokens}")
-        require(self.log_interval >= 1, "log_interval", f"must be >= 1, got {self.log_interval}")
+        at_least(self.log_interval, 1, "log_interval")
         require(self.checkpoint_interval >= 0, "checkpoint_interval",
                 f"must be >= 0 (0 disables), got {self.checkpoint_interval}")
         require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0 = torch's default), got {self.num_threads}")
@@ -263,7 +263,7 @@ class TrainingConfig:
                 f"branches from a stable run need schedule: wsd, got {self.schedule!r}; clear extra_branches")
         require(len(set(self.arch_compare)) == len(self.arch_compare), "arch_compare",
                 f"has duplicates: {list(self.arch_compare)}")
-        require(self.workers_per_point >= 1, "workers_per_point", f"must be >= 1, got {self.workers_per_point}")
+        at_least(self.workers_per_point, 1, "workers_per_point")
         require(self.gpus_per_worker in (0, 1), "gpus_per_worker",
                 f"must be 0 (CPU workers) or 1 (one process drives one GPU; set workers_per_point to the GPU "
                 f"count instead), got {self.gpus_per_worker}")

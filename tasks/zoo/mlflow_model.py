@@ -57,13 +57,13 @@ def load_lm(config: dict[str, Any]) -> nn.Module:
         if not Path(p).exists():
             raise FileNotFoundError(f"{p}: the weights this logged model points to are gone (model_config {config})")
     if kind in ("trained", "pruned"):
-        return load_causal_lm(config["model_dir"])[0]
+        return load_causal_lm(config["model_dir"], tokenizer=False)[0]
     if kind == "compressed":
         base = config.get("base_dir") or config.get("base")
         if not base:
             raise ValueError(f"model_config {config}: a compressed model needs `base_dir` or `base`")
         options = {"bits": int(config["bits"])} if config.get("multi_precision") else {}
-        return load_causal_lm(config["file"], base=base, **options)[0]
+        return load_causal_lm(config["file"], base=base, tokenizer=False, **options)[0]
     raise ValueError(f"model_config.kind {kind!r}: expected 'trained', 'compressed' or 'pruned'")
 
 

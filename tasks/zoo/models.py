@@ -40,6 +40,8 @@ from tasks.common.lineage import file_digest
 from tasks.lm.model import hf_class, transformers_lock
 from tasks.lm.smollm2 import SMOLLM2, SMOLLM2_GGUF, smollm2_dir
 from tasks.lm.tokenizer import EOS, TokenizerAdapter, check_vocabulary, eos_id
+from tasks.zoo.compressed import load_compressed, load_compressed_model
+from tasks.zoo.ladder import load_model
 PRETRAINED_MODELS = (SMOLLM2,)
 """Pretrained models the stages' ``pretrained`` lists may name (loaded by :func:`load_causal_lm`)."""
 
@@ -194,11 +196,9 @@ def _forget_gguf(model: nn.Module) -> None:
         del model.config.quantization_config
 
 
-def _load_ladder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
-    from tasks.zoo.ladder import load_model
-
+def _load_ladder(folder: Path, with_tokenizer: bool = True) -> tuple[nn.Module, TokenizerAdapter | None, dict[str, Any]]:
     tok_path = find_ladder_tokenizer(folder)
-    if tok_path is None:
+    if tok_path is None and with_tokenizer:
         raise FileNotFoundError(f"{folder}: model folder has no tokenizer (looked for {folder / 'tokenizer.json'} "
                                 f"and data/tokenizer/tokenizer.json in the workdirs above it)")
     model, record = load_model(folder)
@@ -208,18 +208,21 @@ def _load_ladder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, A
             "variant": (record.get("training") or {}).get("variant") or result.get("variant") or folder.parent.name,
             "n_params": spec.get("n_params_total") or spec["n_params"], "n_params_nonembed": spec["n_params"],
             "tokens": spec["steps"] * spec["tokens_per_step"], "model_ctx_len": int(record["seq_len"]),
-            "source": str(folder), "tokenizer": str(tok_path)}
-    return model, ladder_tokenizer(tok_path), meta
+            "source": str(folder), "tokenizer": str(tok_path) if tok_path else None}
+    return model, ladder_tokenizer(tok_path) if tok_path else None, meta
 
 
-def _load_hf_folder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+def _load_hf_folder(folder: Path, with_tokenizer: bool = True) -> tuple[nn.Module, TokenizerAdapter | None, dict[str, Any]]:
+    has_tokenizer = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    if not has_tokenizer and with_tokenizer:
         raise FileNotFoundError(f"{folder}: model folder has no tokenizer (tokenizer.json or tokenizer_config.json)")
     with transformers_lock():  # see tasks.lm.model.transformers_lock
-        hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder))
+        hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder)) if has_tokenizer else None
         model = hf_class("AutoModelForCausalLM").from_pretrained(str(folder)).eval()
-    eos = hf_tok.eos_token_id if hf_tok.eos_token_id is not None else 0
-    tok = TokenizerAdapter(hf_tok, eos_token_id=eos, name=str(folder))
+    tok = None
+    if hf_tok is not None:
+        eos = hf_tok.eos_token_id if hf_tok.eos_token_id is not None else 0
+        tok = TokenizerAdapter(hf_tok, eos_token_id=eos, name=str(folder))
     ctx = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
     meta = {"name": folder.name, "family": "hf", "method": "none", "bits": None, "source": str(folder),
             "n_params": int(sum(p.numel() for p in model.parameters())), "model_ctx_len": min(ctx, 2048)}
@@ -242,10 +245,8 @@ def compressed_base_dir(path: Path) -> Path:
     return trained / run
 
 
-def _load_compressed(path: Path, base: str | Path | None, options: dict[str, Any]
-                     ) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
-    from tasks.zoo.compressed import load_compressed, load_compressed_model
-
+def _load_compressed(path: Path, base: str | Path | None, options: dict[str, Any], with_tokenizer: bool = True
+                     ) -> tuple[nn.Module, TokenizerAdapter | None, dict[str, Any]]:
     # The compress stage writes pretrained models' artifacts to models/compressed/pretrained/<model>/.
     if str(base) == SMOLLM2 or (base is None and path.resolve().parent.parent.name == "pretrained"
                                 and path.resolve().parent.name.startswith(SMOLLM2)):
@@ -256,7 +257,7 @@ def _load_compressed(path: Path, base: str | Path | None, options: dict[str, Any
         if not (base_dir / "config.json").exists():
             raise FileNotFoundError(f"{path}: its base model {base_dir} is not a trained model folder "
                                     f"(pass base= the folder the artifact was compressed from)")
-        base_model, tok, meta = _load_ladder(base_dir)
+        base_model, tok, meta = _load_ladder(base_dir, with_tokenizer)
     _, cmeta = load_compressed(path)
     model = load_compressed_model(path, base_model, **options)
     cfg = cmeta.get("config") or {}
@@ -265,11 +266,12 @@ def _load_compressed(path: Path, base: str | Path | None, options: dict[str, Any
     return model, tok, meta
 
 
-def load_causal_lm(spec: str | Path, *, base: str | Path | None = None, **options: Any
-                   ) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
+def load_causal_lm(spec: str | Path, *, base: str | Path | None = None, tokenizer: bool = True, **options: Any
+                   ) -> tuple[nn.Module, TokenizerAdapter | None, dict[str, Any]]:
     """``(model in eval mode, tokenizer, meta)`` for a model spec (see the module docstring).
 
-    ``options`` go to the compressed artifact's dequantizer (``bits=3`` for an AnyBCQ file).
+    ``tokenizer=False`` loads the weights alone (the tokenizer is ``None`` and may be absent on disk:
+    the MLflow model maps token ids to logits). ``options`` go to the compressed artifact's dequantizer (``bits=3`` for an AnyBCQ file).
     Raises ``FileNotFoundError`` for a missing path or a folder without a tokenizer and
     ``ValueError`` when the tokenizer's vocabulary is larger than the model's embedding.
 
@@ -287,15 +289,16 @@ def load_causal_lm(spec: str | Path, *, base: str | Path | None = None, **option
         if path.is_file():
             if path.suffix != ".safetensors":
                 raise ValueError(f"{path}: expected a compressed .safetensors file or a model folder")
-            model, tok, meta = _load_compressed(path, base, options)
+            model, tok, meta = _load_compressed(path, base, options, tokenizer)
         elif (path / "config.json").exists() and (path / "model.safetensors").exists() and _is_ladder(path):
-            model, tok, meta = _load_ladder(path)
+            model, tok, meta = _load_ladder(path, tokenizer)
         elif (path / "config.json").exists():
-            model, tok, meta = _load_hf_folder(path)
+            model, tok, meta = _load_hf_folder(path, tokenizer)
         else:
             raise FileNotFoundError(f"{path}: not a model folder (no config.json)")
     meta["vocab_size"] = model_vocab_size(model)
-    check_vocabulary(tok, meta["vocab_size"], model=str(spec), tokenizer_name=tok.name or "tokenizer")
+    if tok is not None:
+        check_vocabulary(tok, meta["vocab_size"], model=str(spec), tokenizer_name=tok.name or "tokenizer")
     return model, tok, meta
 
 

@@ -20,8 +20,8 @@ fails :func:`test_every_command_is_checked_or_says_what_it_needs`, so the text a
 cannot drift apart unseen. The error the README quotes for a bad params key is reproduced and
 compared word for word.
 
-``make test`` runs the checks that need no pipeline and the ``--workdir`` command; the rest of the
-sequence is marked slow and runs in ``.ci/run``.
+``make test`` runs the checks that need no pipeline; the sequence is marked slow and runs in
+``.ci/run``.
 """
 
 from __future__ import annotations
@@ -301,10 +301,12 @@ def check_eval_tasks(sh: Shell, cmd: Command) -> None:
 
 
 def check_run_all(sh: Shell, cmd: Command) -> None:
-    done = sh.ok(substituted(cmd))
     workdir = sh.cwd
-    if "--workdir" in cmd.text:
+    if "--workdir" in cmd.text:  # a nested folder that does not exist yet, made by the command
         workdir = (sh.cwd / option(cmd, "--workdir")).resolve()
+        assert not workdir.parent.exists(), f"{cmd}: {workdir.parent} exists before the command ran"
+    done = sh.ok(substituted(cmd))
+    if "--workdir" in cmd.text:
         assert f"scalelab: workdir {workdir}" in done.stdout, done.stdout[-2000:]
     for name in ("train.csv", "compress.csv", "sparse_eval.csv", "downstream.csv", "fits.json"):
         assert (workdir / "reports" / name).exists(), f"{cmd}: no reports/{name} in {workdir}"
@@ -331,8 +333,9 @@ def check_dvc_repro(sh: Shell, cmd: Command) -> None:
 def check_dvc_exp(sh: Shell, cmd: Command) -> None:
     done = sh.ok(substituted(cmd))
     assert "Ran experiment" in done.stdout + done.stderr, done.stdout[-3000:]
+    key, _, value = option(cmd, "-S").rpartition(":")[2].partition("=")
     shown = sh.ok(".venv/bin/dvc exp show --json").stdout
-    assert "0.002" in shown
+    assert key.rsplit(".", 1)[-1] in shown and value in shown, shown[-3000:]
 
 
 def check_params_ok(sh: Shell, cmd: Command) -> None:
@@ -422,9 +425,7 @@ CHECKS = [
     Check(r"\.venv/bin/dvc plots show", check_dvc_plots),
     Check(r"\.venv/bin/scalelab report", check_report),
     Check(r"\.venv/bin/scalelab eval tasks .*", check_eval_tasks),
-    Check(r"\.venv/bin/scalelab run all --preset \w+", check_run_all),
-    Check(r"\.venv/bin/scalelab run all --preset \w+ --workdir \S+", None,
-          "run by test_the_workdir_command_runs_on_a_fresh_copy (slow, run by .ci/run)"),
+    Check(r"\.venv/bin/scalelab run all --preset \w+( --workdir \S+)?", check_run_all),
     Check(r"\.venv/bin/scalelab run (prepare|curate|train|compress|sparse_eval|evaluate|fit)", check_run_stage),
     Check(r"\.venv/bin/dvc repro", check_dvc_repro),
     Check(r"\.venv/bin/dvc exp run -S .*", check_dvc_exp),
@@ -477,22 +478,6 @@ def test_the_readme_quotes_the_error_a_bad_params_key_gets(tmp_path: Path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.startswith(quoted), f"README.md quotes:\n{quoted}\nscalelab printed:\n{done.stderr[:600]}"
     assert not (tmp_path / "wd").exists(), "a bad key must stop the command before the workdir is made"
-
-
-@pytest.mark.slow
-def test_the_workdir_command_runs_on_a_fresh_copy(tmp_path: Path):
-    """The README's ``--workdir`` command, with the ci preset, into a folder that does not exist yet.
-
-    Slow (a second whole ``ci`` pipeline, ~6-9 min on 2 cores): ``make test`` runs the pipeline once
-    (tests/flows/test_pipeline_ci.py) and a new nested ``--workdir`` relative to the current folder
-    (tests/flows/test_cli.py); .ci/run runs this one with the README's other commands."""
-    (cmd,) = [c for c in all_commands() if "--workdir" in c.text and "run all" in c.text]
-    workdir = option(cmd, "--workdir")
-    assert "/" in workdir, f"{cmd}: expected a nested workdir such as runs/demo"
-    copy = fresh_copy(tmp_path / "repo")
-    assert not (copy / workdir).parent.exists()
-    sh = Shell(copy, user_env(copy, tmp_path / "home"))
-    check_run_all(sh, cmd)
 
 
 @pytest.fixture(scope="module")

@@ -111,3 +111,24 @@ def test_unknown_preset_block_is_an_error(tmp_path: Path):
     (tmp_path / "params" / "fit.yaml").write_text("fit: {}\npresets:\n  cii: {}\n")
     with pytest.raises(ConfigError, match=r"fit\.yaml:3: presets\.cii: unknown preset"):
         stage_section(tmp_path, "fit", "ci")
+
+
+def test_the_check_vocabulary_words_its_errors_as_the_checks_it_replaced():
+    from tasks.common.config import at_least, in_interval, positive
+
+    at_least(1, 1, "n")
+    with pytest.raises(ValueError, match=r"^n: must be >= 1, got 0$"):
+        at_least(0, 1, "n")
+    positive(0.5, "lr")
+    with pytest.raises(ValueError, match=r"^lr: must be positive, got 0.0$"):
+        positive(0.0, "lr")
+    in_interval(0, 0, 1, "frac", "[)")
+    with pytest.raises(ValueError, match=r"^frac: must be in \[0, 1\), got 1$"):
+        in_interval(1, 0, 1, "frac", "[)")
+    in_interval(1, 0, 1, "p", "(]")
+    with pytest.raises(ValueError, match=r"^p: must be in \(0, 1\], got 0$"):
+        in_interval(0, 0, 1, "p", "(]")
+    with pytest.raises(ValueError, match=r"^p: must be in \(0, 1\), got nan$"):
+        in_interval(float("nan"), 0, 1, "p", "()")
+    with pytest.raises(ValueError, match="bounds"):
+        in_interval(0.5, 0, 1, "p", "[[")
