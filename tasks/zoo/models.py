@@ -40,6 +40,9 @@ from tasks.common.lineage import file_digest
 from tasks.lm.model import hf_class, transformers_lock
 from tasks.lm.smollm2 import SMOLLM2, SMOLLM2_GGUF, smollm2_dir
 from tasks.lm.tokenizer import EOS, TokenizerAdapter, check_vocabulary, eos_id
+from tasks.zoo.compressed import load_compressed, load_compressed_model
+from tasks.zoo.ladder import load_model
+
 PRETRAINED_MODELS = (SMOLLM2,)
 """Pretrained models the stages' ``pretrained`` lists may name (loaded by :func:`load_causal_lm`)."""
 
@@ -195,8 +198,6 @@ def _forget_gguf(model: nn.Module) -> None:
 
 
 def _load_ladder(folder: Path) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
-    from tasks.zoo.ladder import load_model
-
     tok_path = find_ladder_tokenizer(folder)
     if tok_path is None:
         raise FileNotFoundError(f"{folder}: model folder has no tokenizer (looked for {folder / 'tokenizer.json'} "
@@ -244,8 +245,6 @@ def compressed_base_dir(path: Path) -> Path:
 
 def _load_compressed(path: Path, base: str | Path | None, options: dict[str, Any]
                      ) -> tuple[nn.Module, TokenizerAdapter, dict[str, Any]]:
-    from tasks.zoo.compressed import load_compressed, load_compressed_model
-
     # The compress stage writes pretrained models' artifacts to models/compressed/pretrained/<model>/.
     if str(base) == SMOLLM2 or (base is None and path.resolve().parent.parent.name == "pretrained"
                                 and path.resolve().parent.name.startswith(SMOLLM2)):
