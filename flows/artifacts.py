@@ -14,6 +14,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from tasks.common.tracking import mlflow_client
+
 log = logging.getLogger("scalelab")
 
 MAX_ROWS = 200  # a table artifact is for reading; the full table is the CSV in reports/
@@ -21,8 +23,6 @@ MAX_ROWS = 200  # a table artifact is for reading; the full table is the CSV in 
 
 def mlflow_run_url(uri: str, experiment: str, run_id: str) -> str:
     """The run's page in the MLflow UI (``$SCALELAB_MLFLOW_UI``, default http://127.0.0.1:5000: ``make ui``)."""
-    from tasks.common.tracking import mlflow_client
-
     base = os.environ.get("SCALELAB_MLFLOW_UI", "http://127.0.0.1:5000").rstrip("/")
     exp = mlflow_client(uri).get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp is not None else "0"

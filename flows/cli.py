@@ -34,6 +34,7 @@ def _env_defaults(root: Path) -> None:
     ``root`` must exist (the CLI creates a new workdir first): Prefect's home goes in it, and
     Prefect neither creates a missing parent nor says why its server then fails to start.
     """
+    # lazy: --help and `scalelab report` never load flows.runtime (CLI start-up time)
     from flows.runtime import ensure_workdir
 
     # Prefect's temporary server keeps its sqlite database here; an unusable home otherwise
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root).resolve()
     if args.command == "report":  # reads a workdir; creates nothing, starts no Prefect or MLflow
         return _report(Path(args.workdir or root))
+    # lazy: --help and `scalelab report` never load flows.runtime (CLI start-up time)
     from flows.runtime import WorkdirError, ensure_workdir
 
     if args.command == "select":  # the select stage alone, as `scalelab run select`
@@ -257,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _params_problems(root: Path, preset: str | None) -> list[str]:
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from flows.params_check import check_preset
     from tasks.common.config import ConfigError
     from tasks.common.params import default_preset
@@ -268,6 +271,7 @@ def _params_problems(root: Path, preset: str | None) -> list[str]:
 
 
 def _validate(args: argparse.Namespace, root: Path) -> int:
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from flows.runtime import claim_workdir, make_context
     from flows.validate import validate_flow
 
@@ -279,6 +283,7 @@ def _validate(args: argparse.Namespace, root: Path) -> int:
 
 
 def _run(args: argparse.Namespace, root: Path) -> int:
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from flows.runtime import claim_workdir, make_context
 
     ctx = make_context(root, preset=args.preset, workdir=args.workdir, runner=args.runner, ray_address=args.ray_address)
@@ -310,6 +315,7 @@ def _failed_units(reports: Path, stage: str | None) -> int:
     """Name on stderr the units that failed (of ``stage``, or of every stage for ``run all``); 1 for
     ``run all`` when any did, 0 for one stage (``dvc repro`` goes on to the later stages, which run on
     what exists; `scalelab report` and `run all` say it). docs/reliability.md: "One unit fails"."""
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from flows.stage import read_failures
 
     failures = read_failures(reports)
@@ -326,6 +332,7 @@ def _failed_units(reports: Path, stage: str | None) -> int:
 
 def _plan(args: argparse.Namespace, root: Path) -> int:
     """Print the train stage's plan (flows/plan.py); 2 when the feasibility check would stop it."""
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from flows.plan import print_plan, training_plan
     from flows.runtime import make_context
 
@@ -337,6 +344,7 @@ def _plan(args: argparse.Namespace, root: Path) -> int:
 def _report(workdir: Path) -> int:
     """Print the summary of ``workdir`` and rewrite its reports/summary.md; 2 when files are missing
     (what exists is still summarised) or the workdir has no reports, 1 when a unit of a stage failed."""
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from flows.report import print_summary, write_summary
 
     try:
@@ -353,6 +361,7 @@ def _report(workdir: Path) -> int:
 
 
 def _curate(args: argparse.Namespace, root: Path) -> int:
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from flows.curate import curate_any
 
     rewrite = {"kind": args.rewrite_kind, "base_url": args.base_url}
@@ -381,6 +390,7 @@ def _curate(args: argparse.Namespace, root: Path) -> int:
 
 
 def _fit(args: argparse.Namespace, root: Path) -> int:
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from tasks.common.params import default_preset, load_stage_config
     from tasks.scaling.config import FitConfig
     from tasks.scaling.report import fit_points, read_points, write_fit_report
@@ -419,6 +429,7 @@ def joint_decisions(points, cfg, report: dict) -> list[dict] | None:
 
     import polars as pl
 
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from tasks.scaling.compute_optimal import fit_flops_per_token
     from tasks.scaling.decisions import decision_report
 
@@ -442,6 +453,7 @@ def _microbench(args: argparse.Namespace) -> int:
     """Every selector at every size; writes microbench.csv (method, n, mdad, kendall_tau, mae, ...),
     microbench_bins.csv (ranking probability per gap bin), microbench.json (config and input) and
     microbench.png (MDAD against n). Everything is checked before anything is written."""
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from tasks.common.config import to_dict
     from tasks.common.io import write_csv, write_json
     from tasks.evaluation.microbench import MicrobenchConfig, compare_selectors, plot_mdad, read_correctness_matrix
@@ -479,6 +491,7 @@ def _microbench(args: argparse.Namespace) -> int:
 
 
 def _check_params(root: Path) -> int:
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from flows.params_check import check_all
 
     problems = check_all(root)
@@ -489,6 +502,7 @@ def _check_params(root: Path) -> int:
 
 
 def _serve(root: Path) -> int:
+    # lazy: a command's modules load only when that command runs (CLI start-up time)
     from flows.deployments import serve_all
 
     serve_all(root)

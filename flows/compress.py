@@ -33,11 +33,12 @@ from tasks.common.registry import MethodSpec
 from tasks.common.tracking import RunRef, tracked_run
 from tasks.compression.config import CompressionConfig
 from tasks.compression.registry import compress
-from tasks.zoo.compressed import CompressedModel, model_from_tensors, save_compressed
 from tasks.lm.loss import evaluate_loss, perplexity
-from tasks.zoo.ladder import load_model
 from tasks.lm.model import resolve_llama_classes
 from tasks.training.tokenizer import load_tokens
+from tasks.zoo.compressed import CompressedModel, model_from_tensors, save_compressed
+from tasks.zoo.ladder import load_model
+from tasks.zoo.models import load_causal_lm
 
 # Pretrained models the stage can include, by params name -> the name its rows carry.
 PRETRAINED = {"smollm2": "smollm2-135m"}
@@ -187,8 +188,6 @@ def compress_pretrained(name: str, cfg: CompressionConfig, prepared: str, out_di
                         final_dir: str | None = None, settings: tuple[str, ...] = ()) -> list[dict]:
     """The pretrained settings (``settings`` of them; empty = every one) on one pretrained model
     (``smollm2``), on the prepared train/val text."""
-    from tasks.zoo.models import load_causal_lm
-
     set_process_threads(cfg.num_threads)
     model, tok, meta = load_causal_lm(name)
     val, calib, data = prepared_text(Path(prepared), tok, cfg.pretrained_eval_tokens, cfg.pretrained_calib_tokens)

@@ -23,27 +23,27 @@ import contextlib
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import polars as pl
 from prefect import flow
 
 from flows.artifacts import curation_table, publish_table
+from flows.ray_executor import RayExecutor
 from flows.runtime import Context
 from flows.stage import stage_context, stage_run, write_table
 from tasks.common.config import ConfigError, from_mapping, load_yaml
-from tasks.common.io import atomic_dir, write_json, write_parquet
+from tasks.common.io import atomic_dir, clean_temporaries, read_json, write_json, write_parquet
 from tasks.common.lineage import data_ref, log_datasets
-from tasks.curation.decontam import ValDecontaminator
+from tasks.common.lock import workdir_lock
+from tasks.common.params import default_preset, load_stage_config, params_root
 from tasks.curation.crawl import token_counter
+from tasks.curation.decontam import ValDecontaminator
+from tasks.curation.dedup import DedupIndex, build_index, load_index, save_index
 from tasks.curation.prepare import PrepareConfig, SourceSpec
 from tasks.curation.recipes import CurationConfig, FilterCache, Recipe
-from tasks.curation.rewrite import DocumentRewriter
+from tasks.curation.rewrite import DocumentRewriter, generator_key
+from tasks.curation.sharded import Executor, check_inputs, curate_corpus
 from tasks.curation.text import TokenCount, whitespace_words
-
-if TYPE_CHECKING:
-    from tasks.curation.dedup import DedupIndex
-    from tasks.curation.sharded import Executor
 
 #: A variant's stats.json: the in-memory engine's keys (:func:`tasks.curation.recipes.run_recipe`).
 #: The sharded engine's input counters (records read, quarantined) are checked, not reported:
@@ -86,8 +86,6 @@ def read_dedup_index(cfg: CurationConfig, docs: pl.DataFrame, root: Path = Path(
     stage builds several variants of one corpus), refused when it already holds ``docs``' ids. A
     relative path is taken from the project ``root``. DVC does not see the index folder: after
     changing its contents, rerun with ``dvc repro -f curate``."""
-    from tasks.curation.dedup import load_index
-
     if cfg.index.path is None:
         return None
     if cfg.index.update:
@@ -109,8 +107,6 @@ def curation_executor(ctx: Context, n_workers: int) -> Iterator[Executor | None]
     ``runner: ray``, else one spawned process pool of ``n_workers`` (started once, not per
     variant: a spawn costs seconds), or None (in this process) when ``n_workers`` is 1."""
     if ctx.pipeline.runner == "ray":
-        from flows.ray_executor import RayExecutor
-
         with RayExecutor(address=ctx.pipeline.ray_address, num_cpus=ctx.pipeline.ray_num_cpus) as executor:
             yield executor
     elif n_workers > 1:
@@ -132,8 +128,6 @@ def curate_variant(train_files: Sequence[Path], folder: Path, recipe: Recipe, cf
     as :func:`tasks.curation.recipes.run_recipe` gives on the split read whole. The engine's
     parts and its (empty) quarantine are removed. Returns the stats. ``token_count``: what the
     ``tokens_*`` counts (``curation.token_count``)."""
-    from tasks.curation.sharded import curate_corpus
-
     stats = curate_corpus(train_files, folder, recipe, n_workers=cfg.n_workers, shard_docs=cfg.shard_docs,
                           executor=executor, rewriter=rewriter, index=index, decontaminate=decontaminate,
                           filter_cache=filter_cache, token_count=token_count)
@@ -210,8 +204,6 @@ def load_recipe(recipe: str, recipe_file: Path | None, root: Path, preset: str |
     of ``root`` (:func:`tasks.common.params.params_root`: the packaged defaults when ``root`` has no
     params/)."""
     if recipe_file is None:
-        from tasks.common.params import default_preset, load_stage_config, params_root
-
         root = params_root(root)
         cfg = load_stage_config(CurationConfig, root, "curation", preset or default_preset(root))
         source = str(root / "params" / "curation.yaml")
@@ -232,8 +224,6 @@ def params_sources(root: Path, preset: str | None) -> tuple[SourceSpec, ...]:
     """``prepare.sources`` of ``root``'s params (or the packaged defaults'): what ``scalelab curate``
     reads without ``--input``, through the same specs and adapters as the prepare stage (files as
     the stage reads them, from the current folder; no per-source cap or validation split)."""
-    from tasks.common.params import default_preset, load_stage_config, params_root
-
     root = params_root(root)
     return load_stage_config(PrepareConfig, root, "prepare", preset or default_preset(root)).sources
 
@@ -282,13 +272,6 @@ def curate_any(
     """
     import dataclasses
 
-    from tasks.common.io import clean_temporaries
-    from tasks.common.lock import workdir_lock
-    from tasks.common.io import read_json
-    from tasks.common.params import params_root
-    from tasks.curation.rewrite import generator_key
-    from tasks.curation.sharded import check_inputs, curate_corpus
-
     cfg, chosen = load_recipe(recipe, recipe_file, root, preset)
     used_root = params_root(root)
     gen_cfg = None
@@ -316,8 +299,6 @@ def curate_any(
                            id_field=id_field)  # before the lock creates `out`: refused input leaves nothing behind
     executor = None
     if runner == "ray":
-        from flows.ray_executor import RayExecutor
-
         executor = RayExecutor()
     with workdir_lock(out) as lock:
         if lock.fresh:
@@ -358,8 +339,6 @@ def _open_index(idx_cfg, recipe):
     """The index a run reads (empty when ``update`` creates a new folder) and the MinHash
     settings it holds or will hold; every refusal (missing folder, bad files, other MinHash
     settings, no signatures for a minhash step) comes before anything is written."""
-    from tasks.curation.dedup import DedupIndex, load_index
-
     if idx_cfg.path is None:
         return None, None
     folder = Path(idx_cfg.path)
@@ -383,9 +362,6 @@ def _extend_index(index, index_cfg, folder: Path, out: Path, inputs: Sequence[So
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from datetime import datetime, timezone
-
-    from tasks.common.io import atomic_dir
-    from tasks.curation.dedup import build_index, save_index
 
     kept = pl.read_parquet(out / "kept.parquet", columns=["id", "text"])
     own_pool = None

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flows.fit import fit_flow
+from flows.pipeline import pipeline_flow
+
 
 def deployments(root: str | Path):
-    from flows.fit import fit_flow
-    from flows.pipeline import pipeline_flow
-
     root = str(Path(root).resolve())
     return [
         pipeline_flow.to_deployment(

@@ -24,19 +24,29 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.artifacts import downstream_table, publish_table
+from flows.compress import PRETRAINED
 from flows.evaluate_models import model_datasets, tokens_path, trained_models
+from flows.prune import pruned_model_key
 from flows.runtime import Context
 from flows.stage import FAILED, STATUS, StageUnits, failures_path, mark_ok, stage_context, stage_run, write_table
 from tasks.common.config import to_dict
-from tasks.common.io import atomic_dir, write_json, write_parquet
+from tasks.common.io import atomic_dir, write_csv, write_json, write_parquet
 from tasks.common.lineage import find_models, link_metrics, log_datasets
+from tasks.common.parallel import set_process_threads
+from tasks.common.params import default_preset, load_stage_config
 from tasks.common.tracking import RunRef, tracked_run
+from tasks.compression.registry import compress, parse_settings
 from tasks.evaluation.config import EvaluateConfig
 from tasks.evaluation.downstream import evaluate_tasks, results_rows
-from tasks.evaluation.requests import TaskRequests, load_requests
-from tasks.evaluation.stats import paired_difference
 from tasks.evaluation.microbench import microbench_task, plot_mdad
+from tasks.evaluation.requests import TaskRequests, check_task_names, load_requests
+from tasks.evaluation.stats import paired_difference
 from tasks.evaluation.task_laws import fit_task_laws, plot_task_law
+from tasks.lm.model import resolve_llama_classes
+from tasks.sparse.registry import SPARSIFIERS, sparsify
+from tasks.training.tokenizer import load_tokens
+from tasks.zoo.compressed import load_compressed_model
+from tasks.zoo.models import load_causal_lm
 
 SUMMARY_KEYS = ("n_items", "acc", "acc_ci_low", "acc_ci_high", "len_norm", "len_norm_ci_low", "len_norm_ci_high",
                 "bpb", "primary_metric", "primary")
@@ -91,11 +101,6 @@ def evaluate_ladder_model(model_row: dict, artifacts: list[dict], with_sparse: b
                           requests: dict[str, TaskRequests], train_path: str, parent: RunRef,
                           pruned: list[dict] = ()) -> tuple[list[dict], list[dict]]:
     """One trained model, its compressed artifacts, its pruned models and its sparse settings."""
-    from tasks.zoo.models import load_causal_lm
-    from tasks.common.parallel import set_process_threads
-    from tasks.sparse.registry import sparsify
-    from tasks.training.tokenizer import load_tokens
-
     set_process_threads(cfg.num_threads)
     model, tok, meta = load_causal_lm(model_row["model_dir"])
     base = {"model": f"{model_row['variant']}/{model_row['run']}", "family": "ladder", "variant": model_row["variant"],
@@ -135,8 +140,6 @@ def score_pruned(pruned: dict, base: dict[str, Any], tok, cfg: EvaluateConfig, r
     """One model the prune stage kept (a row of :func:`pruned_models`), named ``<base>:<row>`` so
     it is compared with ``base``; its own parameter count, the base's context length and tokenizer
     (the vocabulary is the base's, and the paired comparison needs the same token sequences)."""
-    from tasks.zoo.models import load_causal_lm
-
     model, _, _ = load_causal_lm(pruned["path"])
     info = base | {"model": f"{base['model']}:{pruned['setting']}", "method": pruned["method"],
                    "setting": pruned["setting"], "n_params": pruned["n_params"], "model_key": pruned.get("model_key")}
@@ -149,12 +152,6 @@ def evaluate_smollm2(cfg: EvaluateConfig, requests: dict[str, TaskRequests], val
     those ``evaluate.smollm2.artifacts`` names), the prune stage's kept models of it
     (``pruning.save.pretrained``), then those of ``evaluate.smollm2`` made here in process with the
     same registries."""
-    from tasks.zoo.models import load_causal_lm
-    from tasks.common.parallel import set_process_threads
-    from tasks.compression.registry import compress, parse_settings
-    from tasks.zoo.compressed import load_compressed_model
-    from tasks.sparse.registry import SPARSIFIERS, sparsify
-
     set_process_threads(cfg.num_threads)
     sc = cfg.smollm2
     model, tok, meta = load_causal_lm("smollm2")
@@ -240,8 +237,6 @@ def pruned_models(ctx: Context, variant: str, run: str | None, model: str | None
     pretrained ``model``): rows of reports/pruning.csv with a ``model_path`` that exists, as
     ``{"path", "setting" (the row's name: <setting> or <setting>+<loss>+<select>), "method", "n_params",
     "model_key"}`` (``model_key``: the logged model's, :func:`flows.prune.pruned_model_key`)."""
-    from flows.prune import pruned_model_key
-
     table = ctx.layout.reports / "pruning.csv"
     if not table.exists():
         return []
@@ -321,8 +316,6 @@ def evaluate_flow(
         chosen = top_runs(models, cfg.variant_top)
         jobs = []
         if cfg.smollm2.enabled:  # first: SmolLM2's long job overlaps with the ladder's short ones
-            from flows.compress import PRETRAINED
-
             made = [a for a in compressed_artifacts(ctx, "pretrained", None, PRETRAINED["smollm2"])
                     if cfg.smollm2.scores_artifact(a["setting"])] if cfg.compressed else []
             pruned = pruned_models(ctx, "pretrained", None, PRETRAINED["smollm2"]) if cfg.pruned else []
@@ -339,8 +332,6 @@ def evaluate_flow(
                                                      requests=requests, train_path=str(tokens_path(ctx, m)),
                                                      parent=run.ref(), pruned=pruned)))
         if cfg.smollm2.enabled:
-            from tasks.lm.model import resolve_llama_classes
-
             resolve_llama_classes()  # before SmolLM2's job imports inside transformers beside the ladder's
         units = StageUnits(ctx, run, "evaluate")
         names = ["pretrained/smollm2" if j["kind"] == "smollm2" else
@@ -439,12 +430,6 @@ def eval_tasks_command(args: Any, root: Path) -> int:
     gold bpb) and ``DIR/summary.csv`` (per task: acc and len_norm with Wilson intervals, bpb).
     Scoring settings come from params/evaluate.yaml (``scoring``, ``confidence``, ``num_threads``).
     """
-    from tasks.common.io import write_csv
-    from tasks.zoo.models import load_causal_lm
-    from tasks.common.parallel import set_process_threads
-    from tasks.common.params import default_preset, load_stage_config
-    from tasks.evaluation.requests import check_task_names
-
     tasks = check_task_names([t.strip() for t in args.tasks.split(",") if t.strip()])
     if not tasks:
         raise ValueError("--tasks: name at least one task")

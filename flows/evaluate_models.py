@@ -9,6 +9,7 @@ import polars as pl
 from flows.feasibility import SECTION_STAGE, left_out
 from flows.runtime import Context
 from flows.stage import FAILED, STATUS
+from tasks.common.lineage import data_ref
 
 
 def trained_models(ctx: Context, names: tuple[str, ...] = (), variants: tuple[str, ...] = (),
@@ -64,8 +65,6 @@ def model_datasets(ctx: Context, models: list[dict]) -> dict[str, tuple]:
     """Per series (``variant`` of a train.csv row): ``((training tokens, "training"), (validation
     tokens, "evaluation"))`` as MLflow datasets (:func:`tasks.common.lineage.data_ref`) with their
     contexts, for the runs that score its models."""
-    from tasks.common.lineage import data_ref
-
     val = data_ref(ctx.workdir, val_tokens_path(ctx), "val")
     out = {}
     for m in models:

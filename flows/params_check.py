@@ -4,23 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flows.runtime import PipelineConfig
 from tasks.common.config import ConfigError
 from tasks.common.params import PRESETS, load_stage_config
+from tasks.compression.config import CompressionConfig
+from tasks.compression.pruning import PruningConfig
+from tasks.curation.prepare import PrepareConfig
+from tasks.curation.recipes import CurationConfig
+from tasks.evaluation.config import EvaluateConfig
+from tasks.scaling.config import FitConfig
+from tasks.selection.config import SelectConfig
+from tasks.sparse.registry import SparseEvalConfig
+from tasks.training.config import TrainingConfig
 
 
 def stage_configs() -> dict[str, type]:
     """params/<stage>.yaml -> the dataclass its section loads into (one entry per params file)."""
-    from flows.runtime import PipelineConfig
-    from tasks.compression.pruning import PruningConfig
-    from tasks.compression.config import CompressionConfig
-    from tasks.curation.prepare import PrepareConfig
-    from tasks.curation.recipes import CurationConfig
-    from tasks.evaluation.config import EvaluateConfig
-    from tasks.scaling.config import FitConfig
-    from tasks.selection.config import SelectConfig
-    from tasks.sparse.registry import SparseEvalConfig
-    from tasks.training.config import TrainingConfig
-
     return {
         "pipeline": PipelineConfig,
         "prepare": PrepareConfig,

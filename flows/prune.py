@@ -31,15 +31,25 @@ from flows.artifacts import publish_table, pruning_table
 from flows.compress import PRETRAINED, calib_eval_overlap, check_overlap, prepared_text
 from flows.evaluate_models import model_datasets, tokens_path, trained_models, val_tokens_path
 from flows.stage import StageUnits, failures_path, mark_ok, stage_context, stage_run, write_table
-from tasks.common.io import atomic_dir
+from tasks.common.config import to_dict
+from tasks.common.io import atomic_dir, write_json
 from tasks.common.lineage import log_datasets, log_model_ref
 from tasks.common.parallel import set_process_threads
+from tasks.common.params import default_preset, load_stage_config
 from tasks.common.tracking import RunRef, tracked_run
+from tasks.compression.block_pruning import RemovedBlock
+from tasks.compression.distill import recover, token_windows
+from tasks.compression.inhernet import inher_linears, save_inhernet
 from tasks.compression.pruning import (
-    PruneTables, PruningConfig, RecoveryConfig, SaveConfig, largest_per_variant, plot_recovery_curves, prune_rows,
+    PRUNERS, PruneTables, PruningConfig, RecoveryConfig, SaveConfig, forward_flops_per_token, largest_per_variant,
+    n_params, plot_recovery_curves, prune, prune_rows, select_windows,
 )
-from tasks.zoo.ladder import load_model
+from tasks.curation.prepare import PrepareConfig, prepare_corpus
+from tasks.lm.embeddings import question_embeddings
+from tasks.lm.loss import evaluate_loss, perplexity
 from tasks.training.tokenizer import load_tokens
+from tasks.zoo.ladder import load_model
+from tasks.zoo.models import ladder_tokenizer, load_causal_lm, token_stream
 
 
 def pruned_model_key(variant: str, model: str, row: str) -> str:
@@ -88,8 +98,6 @@ def _saver(cfg: SaveConfig, tok: Any, out_dir: str | None, final_dir: str | None
     """``save(name, model)`` for :func:`prune_rows`: the rows ``cfg`` keeps, written to ``out_dir/<name>``
     as ``from_pretrained`` folders with the tokenizer; returns the path the evaluate stage will find
     (under ``final_dir``, relative to ``workdir``), or None. None for every row when ``out_dir`` is."""
-    from tasks.compression.block_pruning import RemovedBlock
-    from tasks.compression.inhernet import inher_linears
 
     def save(name: str, model: Any) -> str | None:
         if out_dir is None or not cfg.keeps(name):
@@ -118,8 +126,6 @@ def split_train(train: np.ndarray, calib_tokens: int, recovery: RecoveryConfig, 
 def prune_model(model_row: dict, cfg: PruningConfig, parent: RunRef, save_dir: str | None = None,
                 final_dir: str | None = None, workdir: str = ".") -> PruneTables:
     """Every enabled setting on one trained model; the rows ``cfg.save`` keeps go to ``save_dir``."""
-    from tasks.zoo.models import ladder_tokenizer
-
     set_process_threads(cfg.num_threads)
     model, meta = load_model(model_row["model_dir"])
     seq_len = cfg.seq_len or meta["seq_len"]
@@ -139,8 +145,6 @@ def prune_model(model_row: dict, cfg: PruningConfig, parent: RunRef, save_dir: s
 def prune_pretrained(name: str, cfg: PruningConfig, prepared: str, parent: RunRef, save_dir: str | None = None,
                      final_dir: str | None = None, workdir: str = ".") -> PruneTables:
     """Every pretrained setting on one pretrained model, on the prepared train/val text in its own tokenizer."""
-    from tasks.zoo.models import load_causal_lm
-
     set_process_threads(cfg.pretrained_num_threads)
     model, tok, _ = load_causal_lm(name)
     recovery = cfg.pretrained_recovery or cfg.recovery
@@ -264,13 +268,8 @@ def command_text(tok: Any, root: Path, preset: str | None, text: Path | None, tr
             raise ValueError(f"{text}: needs at least 2 documents (one for validation), got {frame.height}")
         train_frame, val_frame = frame[:cut], frame[cut:]
     else:
-        from tasks.common.params import default_preset, load_stage_config
-        from tasks.curation.prepare import PrepareConfig, prepare_corpus
-
         corpus = prepare_corpus(load_stage_config(PrepareConfig, root, "prepare", preset or default_preset(root)))
         train_frame, val_frame = corpus.train, corpus.val
-
-    from tasks.zoo.models import token_stream
 
     return token_stream(tok, train_frame["text"], train_tokens), token_stream(tok, val_frame["text"], val_tokens + 1)
 
@@ -279,8 +278,6 @@ def save_model(model: Any, tok: Any, out: Path, record: dict[str, Any]) -> Path:
     """``model`` as a ``from_pretrained`` folder with its tokenizer and ``scalelab.json`` (``record``);
     ``load_causal_lm(out)`` loads it back."""
     from transformers import PreTrainedTokenizerFast
-
-    from tasks.common.io import atomic_dir, write_json
 
     inner = getattr(tok, "_tok", tok)
     with atomic_dir(out) as tmp:
@@ -294,17 +291,11 @@ def save_model(model: Any, tok: Any, out: Path, record: dict[str, Any]) -> Path:
 
 
 def _ppl(model: Any, val: np.ndarray, seq_len: int, batch_size: int) -> float:
-    from tasks.lm.loss import evaluate_loss, perplexity
-
     return perplexity(evaluate_loss(model, val, seq_len, batch_size))
 
 
 def prune_command(args: Any, root: Path) -> int:
     """``scalelab prune --model SPEC --method NAME [--set key=value ...] --out DIR``."""
-    from tasks.common.config import to_dict
-    from tasks.zoo.models import load_causal_lm
-    from tasks.compression.pruning import PRUNERS, forward_flops_per_token, n_params, prune
-
     options = parse_options(args.set)
     (_, cfg), = PRUNERS.parse_settings({args.method: {"method": args.method, **options}}, "--set", prefix="--set").values()
     set_process_threads(args.threads)
@@ -319,17 +310,12 @@ def prune_command(args: Any, root: Path) -> int:
               "flops_per_token_after": forward_flops_per_token(result.model, args.eval_seq_len)}
     print(f"{args.method}: params {record['params_before']:,} -> {record['params_after']:,}, "
           f"ppl {before:.2f} -> {after:.2f} on {len(val) - 1} tokens")
-    from tasks.compression.block_pruning import RemovedBlock
 
     if any(isinstance(m, RemovedBlock) for m in result.model.modules()):
         print("note: attention/MLP sub-blocks were removed; such a model does not load through from_pretrained, "
               f"so only {args.out / 'scalelab.json'} is written (use granularity=layer for a loadable folder)")
-        from tasks.common.io import write_json
-
         write_json(args.out / "scalelab.json", record)
     elif args.method == "inhernet":
-        from tasks.compression.inhernet import save_inhernet
-
         save_inhernet(result.model, args.out, record)
     else:
         save_model(result.model, tok, args.out, record)
@@ -339,11 +325,6 @@ def prune_command(args: Any, root: Path) -> int:
 
 def distill_command(args: Any, root: Path) -> int:
     """``scalelab distill --teacher SPEC --student DIR --loss csd --data-select paser --out DIR``."""
-    from tasks.common.config import to_dict
-    from tasks.zoo.models import load_causal_lm
-    from tasks.compression.distill import recover, token_windows
-    from tasks.compression.pruning import RecoveryConfig, select_windows
-
     rc = RecoveryConfig(losses=(args.loss,), data_select=(args.data_select,), budget=args.budget, steps=args.steps,
                         lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, tokens=args.tokens,
                         curve_every=args.curve_every)
@@ -357,8 +338,6 @@ def distill_command(args: Any, root: Path) -> int:
     k = max(1, round(rc.budget * len(windows)))
     embeddings = None
     if args.data_select == "paser" and k < len(windows):
-        from tasks.lm.embeddings import question_embeddings
-
         embeddings = question_embeddings(tok.decode_batch(windows.tolist()))
     chosen = select_windows(args.data_select, teacher, student, windows, k, rc, embeddings)
     before = _ppl(student, val, args.eval_seq_len, 4)

@@ -18,8 +18,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tasks.common.config import require, to_dict
+from tasks.common.io import clean_temporaries
+from tasks.common.lock import describe, workdir_lock
 from tasks.common.params import default_preset, load_stage_config
-from tasks.common.tracking import OWNER_HOST, OWNER_PID, OWNER_START, RunRef, owner_gone, owner_tags, tracking_uri
+from tasks.common.tracking import (
+    OWNER_HOST, OWNER_PID, OWNER_START, RunRef, close_orphaned_runs, owner_gone, owner_tags, tracking_uri,
+)
 
 log = logging.getLogger("scalelab")
 
@@ -176,10 +180,6 @@ def claim_workdir(ctx: Context) -> Iterator[WorkdirClaim]:
     Raises :class:`~tasks.common.lock.WorkdirBusy` naming the holder when another live process
     writes the workdir.
     """
-    from tasks.common.io import clean_temporaries
-    from tasks.common.lock import describe, workdir_lock
-    from tasks.common.tracking import close_orphaned_runs
-
     with workdir_lock(ctx.workdir) as lock:
         tag_flow_run(ctx.workdir)
         if not lock.fresh:

@@ -22,6 +22,7 @@ from tasks.common.config import to_dict
 from tasks.common.io import write_json
 from tasks.common.tracking import tracked_run
 from tasks.selection.config import SelectConfig
+from tasks.selection.olmo_eval import run_olmo_eval_setting
 from tasks.selection.settings import SettingResult, run_arithmetic_setting, summarize
 
 
@@ -47,8 +48,6 @@ def child_run_name(row: dict) -> str:
 
 def run_setting(cfg: SelectConfig, setting: str) -> SettingResult:
     if setting == "olmo_eval":
-        from tasks.selection.olmo_eval import run_olmo_eval_setting
-
         return run_olmo_eval_setting(cfg, log=print)
     return run_arithmetic_setting(cfg, log=print)
 

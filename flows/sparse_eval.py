@@ -31,8 +31,9 @@ from tasks.lm.loss import evaluate_loss, perplexity
 from tasks.sparse.registry import SparseEvalConfig, sparsify
 from tasks.sparse.retrieval import RetrievalConfig, build_retrieval_set, retrieval_accuracy, score_retrieval
 from tasks.sparse.speed import measured_speedup
-from tasks.zoo.ladder import load_model
 from tasks.training.tokenizer import load_tokens
+from tasks.zoo.ladder import load_model
+from tasks.zoo.models import load_causal_lm
 
 
 def run_points(*, model: Any, model_name: str, base_row: dict, settings: dict, val: np.ndarray,
@@ -84,8 +85,6 @@ def sparse_eval_pretrained(name: str, cfg: SparseEvalConfig, prepared: str, pare
     """Every pretrained setting on one pretrained model (``smollm2``), on the prepared text; needle
     retrieval on items built from the validation text when ``retrieval`` is set."""
     import polars as pl
-
-    from tasks.zoo.models import load_causal_lm
 
     set_process_threads(cfg.pretrained_num_threads)
     model, tok, meta = load_causal_lm(name)

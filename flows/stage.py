@@ -31,7 +31,7 @@ from flows.runtime import Context, claim_workdir, make_context, map_outcomes
 from tasks.common.config import ConfigError, to_dict
 from tasks.common.io import write_csv, write_text
 from tasks.common.provenance import source_tags
-from tasks.common.tracking import REPLACES, TrackedRun, failed_run, tracked_run
+from tasks.common.tracking import REPLACES, RunRef, TrackedRun, failed_run, tracked_run
 
 log = logging.getLogger("scalelab")
 
@@ -45,8 +45,6 @@ def stage_context(
 ) -> Context:
     ctx = make_context(root, preset=preset, workdir=workdir, runner=runner)
     if parent_run_id:
-        from tasks.common.tracking import RunRef
-
         ctx = ctx.with_parent(RunRef(uri=ctx.tracking_uri, experiment=ctx.experiment, run_id=parent_run_id))
     return ctx
 

@@ -26,6 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
+from kernels.group_quant import pack_codes
+
 
 def _resource_usage(cubin: bytes) -> str:
     import triton
@@ -83,8 +85,9 @@ def variants(quick: bool):
     """(label, thunk) pairs: calls of the public Triton functions on CPU tensors."""
     import torch
 
+    # lazy: these import triton (optional) and define the kernels, which must wait until main() has
+    # checked that TRITON_INTERPRET is unset and that this Triton has the launch internals patched here
     from kernels.bitplane_gemm import triton as bp
-    from kernels.group_quant import pack_codes
     from kernels.lut_gemm import triton as lut
 
     g = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.group_quant.reference import n_groups
+from kernels.group_quant.reference import _check, n_groups
 
 # Whether the kernels below were defined under the interpreter (read at definition time by Triton).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -121,8 +121,6 @@ def quantize(
     w: (rows, cols) fp32/fp16/bf16, any strides. Returns q uint8 (rows, cols), scale fp16
     (rows, groups), zero fp16 (rows, groups), ``groups = ceil(cols / group_size)``.
     """
-    from kernels.group_quant.reference import _check
-
     _check(w, bits, group_size)
     return _launch_quantize(w, bits, group_size)
 

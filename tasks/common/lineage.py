@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from tasks.common.config import flatten
 from tasks.common.tracking import experiment_id, mlflow_client
 
 # ---------------------------------------------------------------------------------------------
@@ -292,8 +293,6 @@ def log_model_ref(
     tagged ``scalelab.model_key`` for :func:`find_models`.
     """
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
-
-    from tasks.common.config import flatten
 
     client = mlflow_client(run.uri)
     exp_id = experiment_id(client, run.experiment, run.uri)

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.common.tracking import process_start_time
+
 LOCK_FILE = ".scalelab.lock"
 
 
@@ -51,8 +53,6 @@ _GUARD = threading.Lock()
 
 
 def _holder_record() -> dict:
-    from tasks.common.tracking import process_start_time
-
     return {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start_time(os.getpid()),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:500]}
 

@@ -30,9 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.common.config import at_least, require, to_dict
+from tasks.common.io import atomic_dir
 from tasks.common.registry import MethodSpec
 from tasks.compression.block_pruning import decoder_layers, n_params
 from tasks.compression.registry import register_pruner
+from tasks.zoo.compressed import unique_state
 
 ALLOCATIONS = ("uniform", "spectrum")
 SIGMA_SPLITS = ("up", "sqrt")
@@ -357,9 +359,6 @@ def save_inhernet(model: nn.Module, folder: str | Path, meta: dict[str, Any] | N
     bias, tied tensor names, and ``meta`` — e.g. :meth:`InheritedModel.meta`) and
     ``model.safetensors`` (the state dict, tied tensors stored once). Read back by :func:`load_inhernet`."""
     from safetensors.torch import save_file
-
-    from tasks.common.io import atomic_dir
-    from tasks.zoo.compressed import unique_state
 
     layout = {n: {"in_features": m.in_features, "out_features": m.out_features, "rank": m.rank,
                   "heads": m.heads, "bias": m.bias is not None} for n, m in inher_linears(model).items()}

@@ -32,12 +32,15 @@ import torch
 from torch import nn
 
 from tasks.common.config import at_least, in_interval, require, to_dict
+from tasks.common.io import atomic_path
 from tasks.common.patterns import matches_any
 from tasks.common.registry import MethodSpec
 from tasks.compression.distill import LOSSES, DistillConfig, recover, token_windows
 from tasks.compression.paser import PaserConfig, paser_select, random_select, sample_degradation
 from tasks.compression.registry import PRUNERS
+from tasks.lm.embeddings import question_embeddings
 from tasks.lm.loss import evaluate_loss, perplexity
+from tasks.zoo.models import PRETRAINED_MODELS
 
 # The recovery losses a params file may name: (distill loss, CSD weighting).
 RECOVERY_LOSSES = {"csd": ("csd", "mode_seeking"), "csd_cover": ("csd", "mode_covering"),
@@ -182,8 +185,6 @@ class PruningConfig:
     pretrained_num_threads: int = 2
 
     def __post_init__(self) -> None:
-        from tasks.zoo.models import PRETRAINED_MODELS
-
         require(len(self.settings) > 0, "settings", "needs at least one setting")
         PRUNERS.validate_section(self.settings, self.enabled)
         missing = [n for n in self.pretrained_settings if n not in self.settings]
@@ -328,8 +329,6 @@ def prune_rows(
     if any(select == "paser" for setting in settings for _, select in recovery.runs(setting)):
         if texts is None:
             raise ValueError("recovery.data_select names paser, which needs the windows' text (texts=)")
-        from tasks.lm.embeddings import question_embeddings
-
         embeddings = question_embeddings(texts(windows))
     teacher = CachedTeacher(model)
     for setting, (method, cfg) in settings.items():
@@ -411,8 +410,6 @@ def plot_recovery_curves(curves: list[dict[str, Any]], path: str | Path) -> None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from tasks.common.io import atomic_path
 
     panels: dict[str, list[dict[str, Any]]] = {}
     for c in curves:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from tasks.common.config import require
+from tasks.common.config import from_mapping, require
 from tasks.curation.crawl import CRAWL_FILTERS
 from tasks.curation.dedup import DedupIndex, MinHashConfig, exact_duplicates, minhash_duplicates
 from tasks.curation.decontam import DecontaminationConfig, ValDecontaminator
@@ -613,6 +613,4 @@ def step_kinds() -> list[str]:
 
 def recipe_from_mapping(data: Mapping[str, Any], *, source: str | None = None, prefix: str = "recipe") -> Recipe:
     """Parse one recipe mapping (``{steps: [...]}``) with file/key-naming errors."""
-    from tasks.common.config import from_mapping
-
     return from_mapping(Recipe, data, source=source, prefix=prefix)

@@ -193,7 +193,7 @@ class LocalCausalLM:
         """Load model and tokenizer from a folder (``gguf_file`` picks a GGUF inside it)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from tasks.lm.model import transformers_lock
+        from tasks.lm.model import transformers_lock  # lazy: brings torch, which curation otherwise never loads
 
         extra = {"gguf_file": gguf_file} if gguf_file else {}
         with transformers_lock():  # no other load or model construction in the process meanwhile

@@ -12,10 +12,12 @@ from typing import Any
 
 from tasks.common.config import at_least, in_interval, require
 from tasks.common.patterns import matches_any
+from tasks.compression.registry import METHODS
+from tasks.evaluation.microbench import MicrobenchStageConfig
 from tasks.evaluation.requests import check_task_names
 from tasks.evaluation.scoring import ScoringConfig
-from tasks.evaluation.microbench import MicrobenchStageConfig
 from tasks.evaluation.task_laws import TaskLawConfig
+from tasks.sparse.registry import SPARSIFIERS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,9 +44,6 @@ class SmolLM2EvalConfig:
 
 
 def _validate_settings(compression: dict, sparse: dict) -> None:
-    from tasks.compression.registry import METHODS
-    from tasks.sparse.registry import SPARSIFIERS
-
     if compression:
         METHODS.validate_section(compression, ())
     if sparse:
@@ -102,6 +101,4 @@ class EvaluateConfig:
         _validate_settings({}, self.sparse)
 
     def sparse_settings(self) -> dict[str, tuple[str, Any]]:
-        from tasks.sparse.registry import SPARSIFIERS
-
         return SPARSIFIERS.parse_settings(self.sparse, prefix="evaluate.sparse") if self.sparse else {}

@@ -31,6 +31,7 @@ import numpy as np
 import polars as pl
 
 from tasks.common.config import at_least, require
+from tasks.common.io import atomic_path
 from tasks.common.parallel import single_threaded_blas
 
 METHODS = ("random", "stratified", "anchor_points", "learned_anchors")
@@ -587,8 +588,6 @@ def plot_mdad(table: pl.DataFrame, path: str | Path, *, probability: float, titl
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from tasks.common.io import atomic_path
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     finite = [v for v in table["mdad"].to_list() if v is not None]

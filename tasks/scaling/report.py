@@ -20,6 +20,7 @@ import polars as pl
 
 from tasks.common.config import to_dict
 from tasks.common.io import atomic_path, write_csv, write_json
+from tasks.common.parallel import map_processes
 from tasks.scaling.chinchilla import PARAM_NAMES, bootstrap_chinchilla, fit_chinchilla, percentile_interval
 from tasks.scaling.compute_optimal import (FlopsPerToken, compare_variants, compute_optimal_table,
                                            fit_flops_per_token, optimal_allocation)
@@ -189,8 +190,6 @@ def fit_series(series: dict[str, tuple], cfg: FitConfig, configs: Mapping[str, F
     Results do not depend on ``n_jobs`` (replicate i draws from ``(cfg.bootstrap_seed, i)``).
     ``configs``: a config per series name where it differs from ``cfg`` (same ``n_jobs``).
     """
-    from tasks.common.parallel import map_processes
-
     configs = configs or {}
     many = cfg.n_jobs > 1 and len(series) > 1  # a lone series keeps n_jobs for its own bootstrap
     jobs = {name: (*arrays, dataclasses.replace(configs.get(name, cfg), n_jobs=1) if many else configs.get(name, cfg))

@@ -18,6 +18,7 @@ from typing import Literal
 from tasks.common.config import at_least, in_interval, positive, require
 from tasks.evaluation.requests import check_task_names
 from tasks.evaluation.scoring import ScoringConfig
+from tasks.lm.model import ModelShape
 
 
 Method = Literal["ddcf", "random", "difficulty", "diversity", "full"]
@@ -294,8 +295,6 @@ def parse_shape(tag: str, *, field: str = "shape"):
     >>> parse_shape("d48_l2").n_heads
     4
     """
-    from tasks.lm.model import ModelShape
-
     head, _, tail = tag.partition("_l")
     if not (head.startswith("d") and head[1:].isdigit() and tail.isdigit()):
         raise ValueError(f"{field}: expected a tag like 'd32_l2', got {tag!r}")

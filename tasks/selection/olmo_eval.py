@@ -52,14 +52,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tasks.common.config import to_dict
+from tasks.compression.block_pruning import CosineDropConfig, angular_scores, prune_by_scores
+from tasks.compression.rtn import RTNConfig, compress_rtn
 from tasks.evaluation.requests import TaskItem, encode_items, load_requests
 from tasks.evaluation.scoring import item_results, score_encoded
-from tasks.selection.config import OlmoEvalSetting, PoolVariant, SelectConfig, parse_pool_variant
 from tasks.lm.embeddings import question_embeddings
+from tasks.selection.config import OlmoEvalSetting, PoolVariant, SelectConfig, parse_pool_variant
 from tasks.selection.finetune import EncodedQA, finetune_on
 from tasks.selection.predictor import roc_auc, target_difficulty
 from tasks.selection.selection import labels_used, selections
 from tasks.selection.settings import SettingResult
+from tasks.zoo.models import load_causal_lm, token_stream
 
 SETTING = "olmo_eval"
 
@@ -197,9 +201,6 @@ def pool_model(target: nn.Module, variant: PoolVariant, *, layer_scores=None) ->
     """A copy of ``target`` with ``variant.drop`` layers removed (the lowest of ``layer_scores``,
     a :class:`~tasks.compression.block_pruning.BlockScores` of the target), then RTN-quantized at
     ``variant.bits``. ``target`` is left unchanged."""
-    from tasks.compression.block_pruning import CosineDropConfig, prune_by_scores
-    from tasks.compression.rtn import RTNConfig, compress_rtn
-
     model = target
     if variant.drop:
         if layer_scores is None:
@@ -218,8 +219,6 @@ def correctness_fingerprint(cfg: SelectConfig) -> str:
     """What the correctness rows depend on (questions, models, scoring; not fine-tuning), as JSON:
     rows computed under one fingerprint may be passed back to a run under the same."""
     import json
-
-    from tasks.common.config import to_dict
 
     st = to_dict(cfg.olmo_eval)
     return json.dumps({"seed": cfg.seed, **{k: st[k] for k in ("tasks", "shots", "correct", "n_pool", "n_seed", "n_test",
@@ -242,8 +241,6 @@ def run_olmo_eval_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]],
     are keyed ``olmo_eval.<...>``, timings (seconds) ``olmo_eval.seconds.<piece>``. Deterministic
     for a given config and thread count.
     """
-    from tasks.zoo.models import load_causal_lm, token_stream
-
     st = cfg.olmo_eval
     embed = embed or (lambda t: question_embeddings(t, cfg.embed_batch_size))
     load_model = load_model or load_causal_lm
@@ -284,8 +281,6 @@ def run_olmo_eval_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]],
     # The pool: variants of the target (layer scores computed once) and loaded models.
     layer_scores = None
     if any((v := parse_pool_variant(t)) is not None and v.drop and f"pool:{t}" not in cache for t in st.pool):
-        from tasks.compression.block_pruning import CosineDropConfig, angular_scores
-
         calib = token_stream(tok, [question_text(it) for it in splits.pool])
         layer_scores = angular_scores(target, CosineDropConfig(calib_windows=st.calib_windows, seq_len=ctx_len),
                                       calib_tokens=calib)

@@ -48,11 +48,14 @@ import torch
 from torch import nn
 
 from tasks.common.parallel import map_processes
-from tasks.selection.config import QuestionFamily, SelectConfig, parse_shape
 from tasks.lm.embeddings import question_embeddings
+from tasks.lm.model import build_model
+from tasks.lm.tokenizer import eos_id
+from tasks.selection.config import QuestionFamily, SelectConfig, parse_shape
 from tasks.selection.finetune import EncodedQA, finetune_on, train_on_questions
 from tasks.selection.predictor import roc_auc, target_difficulty
 from tasks.selection.selection import labels_used, selections
+from tasks.training.tokenizer import train_tokenizer
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,15 +98,11 @@ BYTE_VOCAB = 257  # 256 bytes and the end-of-text token
 
 def byte_tokenizer():
     """The training stage's byte-level BPE with no merges: one token per character, EOS = 0."""
-    from tasks.training.tokenizer import train_tokenizer
-
     return train_tokenizer(["0123456789+-="], BYTE_VOCAB)
 
 
 def encode_qa(tokenizer, questions: Sequence[str], answers: Sequence[str], seq_len: int) -> EncodedQA:
     """Encode question/answer pairs for teacher-forced training and exact-match scoring."""
-    from tasks.lm.tokenizer import eos_id
-
     eos = eos_id(tokenizer)
     n = len(questions)
     q_enc = tokenizer.encode_batch(list(questions), add_special_tokens=False)
@@ -182,8 +181,6 @@ def _pool_model_snapshots(shape_tag: str, ops: str, run_seed: int, cfg: SelectCo
                           seed_set: EncodedQA) -> list[tuple[int, np.ndarray]]:
     """Train one pool model of setting (a) on the ``ops`` questions of the family and return its
     exact-match row on ``seed_set`` at every snapshot step (a worker process's job)."""
-    from tasks.lm.model import build_model
-
     torch.set_num_threads(cfg.num_threads)
     tok = byte_tokenizer()
     model = build_model(parse_shape(shape_tag), BYTE_VOCAB, cfg.seq_len + 1, seed=run_seed)
@@ -203,8 +200,6 @@ def run_arithmetic_setting(cfg: SelectConfig, *, embed: Callable[[Sequence[str]]
     ``embed`` maps question texts to (n, dim) embeddings (default :func:`question_embeddings`).
     Deterministic for a given config and thread count.
     """
-    from tasks.lm.model import build_model
-
     embed = embed or (lambda t: question_embeddings(t, cfg.embed_batch_size))
     torch.set_num_threads(cfg.num_threads)
     tok = byte_tokenizer()

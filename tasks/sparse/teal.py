@@ -40,6 +40,7 @@ from torch import nn
 from tasks.common.config import at_least, require
 from tasks.common.patterns import matches_any
 from tasks.lm.windows import token_windows
+from tasks.sparse.allocation import greedy_path
 from tasks.sparse.registry import ActivationSparsity, SparseMethodSpec, register_sparsifier
 
 
@@ -243,8 +244,6 @@ def _greedy_path(model: nn.Module, sites: dict[str, nn.Linear], cfg: MagnitudeCo
                  make_fn, up_to: float):
     """TEAL's greedy path for ``model`` up to ``up_to``, computed once per (config, calibration tokens,
     weights) and reused for every level of a sweep (the path does not depend on the level)."""
-    from tasks.sparse.allocation import greedy_path
-
     fields = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "sparsities")
     weights = tuple((n, m.weight.data_ptr(), m.weight._version) for n, m in sites.items())
     key = (fields, weights, hashlib.sha1(np.ascontiguousarray(calib_tokens).tobytes()).hexdigest(), up_to)

@@ -42,6 +42,7 @@ from tasks.lm.smollm2 import SMOLLM2, SMOLLM2_GGUF, smollm2_dir
 from tasks.lm.tokenizer import EOS, TokenizerAdapter, check_vocabulary, eos_id
 from tasks.zoo.compressed import load_compressed, load_compressed_model
 from tasks.zoo.ladder import load_model
+
 PRETRAINED_MODELS = (SMOLLM2,)
 """Pretrained models the stages' ``pretrained`` lists may name (loaded by :func:`load_causal_lm`)."""
 
