@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 from tasks.common.params import load_stage_config  # noqa: E402
 from tasks.evaluation.downstream import EncodedItem, ScoringConfig, TaskItem, score_encoded  # noqa: E402
 from tasks.training.config import TrainingConfig  # noqa: E402
-from tasks.lm.model import ModelShape
+from tasks.lm.model import ModelShape  # noqa: E402
 from tasks.training.distributed import PointJob, _launch_local, train_points  # noqa: E402
-from tasks.training.loop import ladder  # noqa: E402
+from tasks.training.design import ladder  # noqa: E402
 from tasks.lm.model import build_model, peak_flops  # noqa: E402
 from tasks.training.tokenizer import save_tokens  # noqa: E402
 

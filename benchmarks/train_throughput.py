@@ -26,8 +26,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tasks.training.config import TrainingConfig  # noqa: E402
-from tasks.lm.model import ModelShape
-from tasks.training.loop import WindowSampler, ladder, train_model  # noqa: E402
+from tasks.lm.model import ModelShape  # noqa: E402
+from tasks.training.loop import WindowSampler, train_model  # noqa: E402
+from tasks.training.design import ladder  # noqa: E402
 from tasks.lm.model import build_model  # noqa: E402
 
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from tasks.common.params import load_stage_config  # noqa: E402
 from tasks.training.config import TrainingConfig  # noqa: E402
 from tasks.training.distributed import PointJob, train_points  # noqa: E402
-from tasks.training.loop import ladder  # noqa: E402
+from tasks.training.design import ladder  # noqa: E402
 from tasks.training.tokenizer import save_tokens  # noqa: E402
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from tasks.common.params import load_stage_config  # noqa: E402
 from tasks.curation.prepare import PrepareConfig, prepare_corpus  # noqa: E402
 from tasks.training.config import TrainingConfig  # noqa: E402
-from tasks.lm.model import ModelShape
+from tasks.lm.model import ModelShape  # noqa: E402
 from tasks.training.design import ladder  # noqa: E402
 from tasks.common.parallel import set_process_threads  # noqa: E402
 from tasks.training.loop import train_model, train_size_wsd  # noqa: E402

@@ -51,7 +51,8 @@ from tasks.training.config import TrainingConfig
 from tasks.training.arms import training_arms
 from tasks.training.design import arch_specs, seed_sizes
 from tasks.training.distributed import PointJob, check_parallel, train_points
-from tasks.training.loop import RunSpec, ladder, read_doc_losses
+from tasks.training.loop import read_doc_losses
+from tasks.training.design import RunSpec, ladder
 from tasks.training.tokenizer import encode_corpus, encode_corpus_segments, load_tokens, save_tokens, train_tokenizer
 
 

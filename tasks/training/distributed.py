@@ -64,7 +64,8 @@ from tasks.common.faults import fault_point
 from tasks.common.io import read_json, write_json
 from tasks.common.parallel import set_process_threads
 from tasks.training.config import TrainingConfig
-from tasks.training.loop import MetricsCallback, ProgressCallback, RunSpec, TrainResult, train_model, train_size_wsd
+from tasks.training.loop import MetricsCallback, ProgressCallback, TrainResult, train_model, train_size_wsd
+from tasks.training.design import RunSpec
 from tasks.training.checkpoint import checkpoint_files, load_checkpoint, remove_older_checkpoints, save_checkpoint
 from tasks.training.tokenizer import load_tokens
 

@@ -59,7 +59,7 @@ from tasks.lm.model import build_model, peak_flops
 from tasks.lm.loss import evaluate_loss, loss_by_document, loss_by_group, perplexity, target_indices, token_losses
 from tasks.training.checkpoint import checkpoint_files, load_checkpoint, save_checkpoint
 from tasks.training.config import TrainingConfig
-from tasks.training.design import RunSpec, ladder, lr_at, run_name, stable_steps  # noqa: F401  (re-exported)
+from tasks.training.design import RunSpec, lr_at, stable_steps
 from tasks.training.repb import RePBSelector, weighted_step_loss
 from tasks.zoo.ladder import CONFIG_FILE, load_model, write_weights
 

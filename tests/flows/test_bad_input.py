@@ -132,7 +132,8 @@ def model_folder(tmp_path_factory) -> Path:
     """A tiny model folder written by the training loop itself (8 steps on a random token stream)."""
     from tasks.training.config import TrainingConfig
     from tasks.lm.model import ModelShape
-    from tasks.training.loop import ladder, train_model
+    from tasks.training.loop import train_model
+    from tasks.training.design import ladder
 
     cfg = TrainingConfig(vocab_size=256, seq_len=16, sizes=(ModelShape(d_model=16, n_layers=1, n_heads=2),),
                          token_budgets=(512,), batch_size=4, eval_interval=8, eval_tokens=256,

@@ -24,7 +24,7 @@ from tasks.scaling.config import FitConfig
 from tasks.common.tracking import tracked_run
 from tasks.training.config import TrainingConfig
 from tasks.lm.model import ModelShape
-from tasks.training.loop import ladder
+from tasks.training.design import ladder
 from tasks.training.tokenizer import save_tokens
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -149,7 +149,8 @@ def test_aliases_and_model_names_are_what_mlflow_accepts():
 def test_registered_model_loads_back_with_the_folders_logits(tmp_path: Path):
     """Train a tiny model, log it by reference, register it under an alias, load it through
     ``models:/<name>@<alias>`` and compare logits with the folder's."""
-    from tasks.training.loop import ladder, train_model
+    from tasks.training.loop import train_model
+    from tasks.training.design import ladder
     from tasks.zoo.ladder import load_model
 
     cfg = tiny_config(token_budgets=(512,), eval_tokens=256)

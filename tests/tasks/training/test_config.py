@@ -10,7 +10,7 @@ from tasks.common.params import PRESETS, load_stage_config
 from tasks.training.config import RePBConfig, TrainingConfig
 from tasks.lm.model import ModelShape
 from tasks.training.design import seed_sizes
-from tasks.training.loop import ladder
+from tasks.training.design import ladder
 ROOT = Path(__file__).resolve().parents[3]
 
 from training_fixtures import tiny_config

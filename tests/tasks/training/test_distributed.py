@@ -18,7 +18,8 @@ from training_fixtures import markov_tokens, tiny_config
 
 from tasks.training.config import RePBConfig
 from tasks.training.distributed import PointJob, WorkerFailed, check_parallel, train_points
-from tasks.training.loop import ladder, train_model
+from tasks.training.loop import train_model
+from tasks.training.design import ladder
 from tasks.training.checkpoint import checkpoint_files, load_checkpoint
 from tasks.training.tokenizer import save_tokens
 

@@ -12,7 +12,8 @@ from training_fixtures import markov_tokens, tiny_config
 
 from tasks.lm.loss import evaluate_loss, target_indices, token_losses
 from tasks.training.design import cosine_warmup_steps
-from tasks.training.loop import TrainResult, WindowSampler, ladder, lr_at, read_doc_losses, train_model
+from tasks.training.loop import TrainResult, WindowSampler, read_doc_losses, train_model
+from tasks.training.design import ladder, lr_at
 from tasks.zoo.ladder import load_model
 
 

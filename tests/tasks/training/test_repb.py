@@ -11,7 +11,8 @@ from training_fixtures import markov_tokens, tiny_config
 
 from tasks.training.config import RePBConfig
 from tasks.lm.model import ModelShape
-from tasks.training.loop import ladder, run_fingerprint, train_model
+from tasks.training.loop import run_fingerprint, train_model
+from tasks.training.design import ladder
 from tasks.training.repb import RePBSelector, normalise_scores, repb_arms, weighted_step_loss
 
 

@@ -14,7 +14,8 @@ import torch
 from training_fixtures import markov_tokens, tiny_config
 
 from tasks.training.config import RePBConfig
-from tasks.training.loop import ladder, train_model
+from tasks.training.loop import train_model
+from tasks.training.design import ladder
 from tasks.training.checkpoint import checkpoint_files, load_checkpoint, save_checkpoint
 from tasks.lm.model import build_model
 
@@ -26,7 +27,8 @@ CHILD = textwrap.dedent("""
     import sys, time
     sys.path[:0] = [{root!r}, {here!r}]
     from training_fixtures import markov_tokens
-    from tasks.training.loop import ladder, train_model
+    from tasks.training.loop import train_model
+    from tasks.training.design import ladder
     from test_resume import resume_config
     data = markov_tokens(60_000)
     cfg = resume_config()
