@@ -41,10 +41,12 @@ def smollm2_stand_in(tmp_path, monkeypatch):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.zoo import models
-    from tasks.lm.tokenizer import TokenizerAdapter
+    import flows.compress
+    import flows.evaluate
+    import flows.prune
+    import flows.sparse_eval
+    from tasks.lm.tokenizer import TokenizerAdapter, eos_id
     from tasks.training.tokenizer import train_tokenizer
-    from tasks.lm.tokenizer import eos_id
 
     rng = random.Random(0)
     words = [f"w{i}" for i in range(50)]
@@ -58,6 +60,7 @@ def smollm2_stand_in(tmp_path, monkeypatch):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
                                          initializer_range=0.1)).eval()
-    monkeypatch.setattr(models, "load_causal_lm", lambda name: (model, TokenizerAdapter(tok, eos_token_id=eos_id(tok)),
-                                                                {"n_params": 1}))
+    stand_in = lambda name, **kw: (model, TokenizerAdapter(tok, eos_token_id=eos_id(tok)), {"n_params": 1})  # noqa: E731
+    for flow in (flows.compress, flows.evaluate, flows.prune, flows.sparse_eval):  # where each stage looks it up
+        monkeypatch.setattr(flow, "load_causal_lm", stand_in)
     return prepared

@@ -50,7 +50,7 @@ STAGES = {
     "compress": ("compress.csv", "flows.compress.load_model", "val_loss"),
     "prune": ("pruning.csv", "flows.prune.load_model", "ppl"),
     "sparse_eval": ("sparse_eval.csv", "flows.sparse_eval.load_model", "val_loss"),
-    "evaluate": ("downstream.csv", "tasks.zoo.models.load_causal_lm", "acc"),
+    "evaluate": ("downstream.csv", "flows.evaluate.load_causal_lm", "acc"),
 }
 
 

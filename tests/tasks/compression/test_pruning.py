@@ -226,10 +226,10 @@ def test_recovery_runs_and_budget():
 
 
 def test_prune_rows_with_paser_selects_the_budget(monkeypatch):
-    import tasks.lm.embeddings as embeddings
+    import tasks.compression.pruning as pruning_module
 
     # the sentence encoder is tested with DDCF; here the windows' "text" is their token histogram
-    monkeypatch.setattr(embeddings, "question_embeddings",
+    monkeypatch.setattr(pruning_module, "question_embeddings",
                         lambda texts: np.stack([np.bincount(list(map(int, t.split())), minlength=VOCAB) for t in texts])
                         .astype(np.float32))
     model = tiny_llama(4)
@@ -248,7 +248,7 @@ def test_prune_rows_with_paser_selects_the_budget(monkeypatch):
                          eval_tokens=256, base_row={}, texts=lambda w: [" ".join(map(str, r.tolist())) for r in w])
     assert [(r["setting"], r["data_select"]) for r in rows if r["recovery_loss"] != "none"] == [
         ("e", "random"), ("c", "random"), ("c", "paser")]
-    monkeypatch.setattr(embeddings, "question_embeddings", lambda texts: pytest.fail("embedded without a PASER run"))
+    monkeypatch.setattr(pruning_module, "question_embeddings", lambda texts: pytest.fail("embedded without a PASER run"))
     prune_rows(model, settings=PruningConfig(settings=SETTINGS, enabled=("e",)).methods(), recovery=only_c,
                calib=tokens(256, 1), train=tokens(512, 3), val=tokens(257, 4), seq_len=32, batch_size=4,
                eval_tokens=256, base_row={}, texts=lambda w: [" ".join(map(str, r.tolist())) for r in w])

@@ -206,12 +206,12 @@ def test_greedy_needs_calibration_tokens(model):
 
 
 def test_a_sweep_computes_the_greedy_path_once(calib, monkeypatch):
-    import tasks.sparse.allocation as allocation
+    import tasks.sparse.teal as teal
 
     model = tiny_llama(seed=2)
     calls = []
-    real = allocation.greedy_path
-    monkeypatch.setattr(allocation, "greedy_path", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    real = teal.greedy_path
+    monkeypatch.setattr(teal, "greedy_path", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
     cfg = TealConfig(allocation="greedy", sparsities=(0.25, 0.5), calib_seq_len=32, greedy_windows=1)
     low = sparsify(model, cfg, sparsity=0.25, calib_tokens=calib).meta["levels"]
     high = sparsify(model, cfg, sparsity=0.5, calib_tokens=calib).meta["levels"]
