@@ -55,13 +55,13 @@ from torch import nn
 
 from tasks.common.config import to_dict
 from tasks.common.io import atomic_path, read_json, write_json
-from tasks.lm.model import build_model, peak_flops
 from tasks.lm.loss import evaluate_loss, loss_by_document, loss_by_group, perplexity, target_indices, token_losses
+from tasks.lm.model import build_model, peak_flops
 from tasks.training.checkpoint import checkpoint_files, load_checkpoint, save_checkpoint
 from tasks.training.config import TrainingConfig
 from tasks.training.design import RunSpec, lr_at, stable_steps
 from tasks.training.repb import RePBSelector, weighted_step_loss
-from tasks.zoo.ladder import CONFIG_FILE, load_model, write_weights
+from tasks.zoo.ladder import CONFIG_FILE, RESULT_FILE, load_model, write_weights
 
 MetricsCallback = Callable[[dict[str, float], int], None]
 ProgressCallback = Callable[[int, int], None]
@@ -625,7 +625,7 @@ def train_model(
     out_dir = Path(out_dir)
     main = parallel is None or parallel.is_main
     fingerprint = run_fingerprint(spec, cfg)
-    result_path = out_dir / "result.json"
+    result_path = out_dir / RESULT_FILE
     if result_path.exists():
         stored = read_json(result_path)
         if stored.get("fingerprint") != fingerprint:
@@ -680,7 +680,7 @@ def _rescore_stored(out_dir: Path, stored: dict[str, Any], val_tokens: np.ndarra
     updated = {**stored, "val_loss": score.val_loss, "ppl": perplexity(score.val_loss), "val_tokens": score.val_tokens}
     if score.by_group is not None:
         updated["val_loss_by_group"] = score.by_group
-    write_json(out_dir / "result.json", updated)
+    write_json(out_dir / RESULT_FILE, updated)
     return TrainResult.from_dict(updated)
 
 
@@ -742,7 +742,7 @@ def train_size_wsd(specs: list[RunSpec], cfg: TrainingConfig, train_tokens: np.n
         raise ValueError(f"train_size_wsd: one size at a time, got {sorted({s.size for s in specs})}")
     if cfg.schedule != "wsd":
         raise ValueError(f"train_size_wsd needs schedule: wsd, got {cfg.schedule!r}")
-    todo = [s for s, d in zip(specs, out_dirs) if not (Path(d) / "result.json").exists()]
+    todo = [s for s, d in zip(specs, out_dirs) if not (Path(d) / RESULT_FILE).exists()]
     branches = None
     if todo:
         longest = max(specs, key=lambda s: s.steps)

@@ -56,12 +56,20 @@ def save_compressed(cm: CompressedModel, path: str | Path) -> int:
     return path.stat().st_size
 
 
+def _header(fh: Any) -> dict[str, Any]:
+    return json.loads((fh.metadata() or {}).get(_META_KEY, "{}"))
+
+
 def load_compressed(path: str | Path, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read a file written by :func:`save_compressed`: ``(tensors, meta)``."""
     with safe_open(str(path), framework="pt", device=str(device)) as fh:
-        meta = json.loads((fh.metadata() or {}).get(_META_KEY, "{}"))
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    return tensors, meta
+        return {k: fh.get_tensor(k) for k in fh.keys()}, _header(fh)
+
+
+def compressed_meta(path: str | Path) -> dict[str, Any]:
+    """The ``meta`` of a file written by :func:`save_compressed`, read from its header alone."""
+    with safe_open(str(path), framework="pt", device="cpu") as fh:
+        return _header(fh)
 
 
 def diagnostic(value: float | None, digits: int = 6) -> float | None:

@@ -32,9 +32,9 @@ as ``bits`` for a method whose one artifact serves several precisions; ``ValueEr
 
 def with_unquantized(state: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor],
                      meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`packed_model`'s tensors, once a method's dequantizer has put every quantized
-    weight into ``state``: adds every stored tensor that is no quantized weight's part, then points each
-    tied alias of ``meta["tied"]`` at its tensor again. Returns ``state``."""
+    """The inverse of :func:`tasks.compression.packing.packed_model`'s tensors, once a decoder has put
+    every quantized weight into ``state``: adds every stored tensor that is no quantized weight's part,
+    then points each tied alias of ``meta["tied"]`` at its tensor again. Returns ``state``."""
     quantized = meta.get("quantized", {})
     for k, v in tensors.items():
         base = k.split(".weight.", 1)[0] + ".weight" if ".weight." in k else None
@@ -46,7 +46,8 @@ def with_unquantized(state: dict[str, torch.Tensor], tensors: Mapping[str, torch
 
 
 def grouped_int_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Rebuild a full state dict from stored RTN or GPTQ tensors (one format: integer codes, fp16 scales and zeros per group) (as :func:`load_compressed` returns them).
+    """Rebuild a full state dict from stored RTN or GPTQ tensors (one format: integer codes with an
+    fp16 scale and zero per group), as :func:`tasks.zoo.compressed.load_compressed` returns them.
 
     Quantized weights are unpacked and dequantized to their original dtype; tied names point at the
     same tensor again. ``model.load_state_dict(grouped_int_state(...))`` reproduces the compressed model.

@@ -75,7 +75,7 @@ def load_model(out_dir: str | Path, device: torch.device | str = "cpu") -> tuple
         shape = ModelShape(**meta["spec"]["shape"])
         model = build_model(shape, meta["vocab_size"], meta["seq_len"], meta["arch"], seed=0)
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{out_dir / 'config.json'}: not a trained model's config ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"{out_dir / CONFIG_FILE}: not a trained model's config ({type(exc).__name__}: {exc})") from None
     weights = out_dir / WEIGHTS_FILE
     check_weights(weights, model)
     model.load_state_dict(load_file(str(weights), device="cpu"), strict=True)

@@ -40,7 +40,7 @@ from tasks.common.lineage import file_digest
 from tasks.lm.model import hf_class, transformers_lock
 from tasks.lm.smollm2 import SMOLLM2, SMOLLM2_GGUF, smollm2_dir
 from tasks.lm.tokenizer import EOS, TokenizerAdapter, check_vocabulary, eos_id
-from tasks.zoo.compressed import load_compressed, load_compressed_model
+from tasks.zoo.compressed import compressed_meta, load_compressed_model
 from tasks.zoo.ladder import load_model
 
 PRETRAINED_MODELS = (SMOLLM2,)
@@ -198,7 +198,7 @@ def _forget_gguf(model: nn.Module) -> None:
 
 
 def _load_ladder(folder: Path, with_tokenizer: bool = True) -> tuple[nn.Module, TokenizerAdapter | None, dict[str, Any]]:
-    tok_path = find_ladder_tokenizer(folder)
+    tok_path = find_ladder_tokenizer(folder) if with_tokenizer else None
     if tok_path is None and with_tokenizer:
         raise FileNotFoundError(f"{folder}: model folder has no tokenizer (looked for {folder / 'tokenizer.json'} "
                                 f"and data/tokenizer/tokenizer.json in the workdirs above it)")
@@ -214,11 +214,10 @@ def _load_ladder(folder: Path, with_tokenizer: bool = True) -> tuple[nn.Module, 
 
 
 def _load_hf_folder(folder: Path, with_tokenizer: bool = True) -> tuple[nn.Module, TokenizerAdapter | None, dict[str, Any]]:
-    has_tokenizer = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-    if not has_tokenizer and with_tokenizer:
+    if with_tokenizer and not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise FileNotFoundError(f"{folder}: model folder has no tokenizer (tokenizer.json or tokenizer_config.json)")
     with transformers_lock():  # see tasks.lm.model.transformers_lock
-        hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder)) if has_tokenizer else None
+        hf_tok = hf_class("AutoTokenizer").from_pretrained(str(folder)) if with_tokenizer else None
         model = hf_class("AutoModelForCausalLM").from_pretrained(str(folder)).eval()
     tok = None
     if hf_tok is not None:
@@ -259,7 +258,7 @@ def _load_compressed(path: Path, base: str | Path | None, options: dict[str, Any
             raise FileNotFoundError(f"{path}: its base model {base_dir} is not a trained model folder "
                                     f"(pass base= the folder the artifact was compressed from)")
         base_model, tok, meta = _load_ladder(base_dir, with_tokenizer)
-    _, cmeta = load_compressed(path)
+    cmeta = compressed_meta(path)  # the header only: load_compressed_model reads the tensors
     model = load_compressed_model(path, base_model, **options)
     cfg = cmeta.get("config") or {}
     meta = meta | {"name": f"{meta['name']}:{path.stem}", "method": cmeta.get("method"), "setting": path.stem,
@@ -271,8 +270,9 @@ def load_causal_lm(spec: str | Path, *, base: str | Path | None = None, tokenize
                    ) -> tuple[nn.Module, TokenizerAdapter | None, dict[str, Any]]:
     """``(model in eval mode, tokenizer, meta)`` for a model spec (see the module docstring).
 
-    ``tokenizer=False`` loads the weights alone (the tokenizer is ``None`` and may be absent on disk:
-    the MLflow model maps token ids to logits). ``options`` go to the compressed artifact's dequantizer (``bits=3`` for an AnyBCQ file).
+    ``tokenizer=False`` loads the weights alone (the tokenizer need not be on disk and is returned as
+    ``None``, SmolLM2's too: the MLflow model maps token ids to logits). ``options`` go to the
+    compressed artifact's decoder (``bits=3`` for an AnyBCQ file).
     Raises ``FileNotFoundError`` for a missing path or a folder without a tokenizer and
     ``ValueError`` when the tokenizer's vocabulary is larger than the model's embedding.
 
@@ -298,8 +298,9 @@ def load_causal_lm(spec: str | Path, *, base: str | Path | None = None, tokenize
         else:
             raise FileNotFoundError(f"{path}: not a model folder (no config.json)")
     meta["vocab_size"] = model_vocab_size(model)
-    if tok is not None:
-        check_vocabulary(tok, meta["vocab_size"], model=str(spec), tokenizer_name=tok.name or "tokenizer")
+    if not tokenizer:
+        return model, None, meta
+    check_vocabulary(tok, meta["vocab_size"], model=str(spec), tokenizer_name=tok.name or "tokenizer")
     return model, tok, meta
 
 
